@@ -1,0 +1,1 @@
+"""Periodic jobs started by systemd timers: toko-recap and toko-backup."""

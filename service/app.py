@@ -1,0 +1,85 @@
+"""The application factory: routes, middleware and resources in dependency order."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from service.errors import json_errors
+from service.keys import NOTIFIER, POOL, SETTINGS, STORE
+from service.mail import LogMailer, Mailer, SmtpMailer
+from service.routes import routes
+from service.settings import Settings
+from service.store.base import Store
+from service.store.sqlite import SqliteStore
+from service.systemd import Notifier
+from service.tasks import HANDLERS, JobContext
+from service.workers import PoolConfig, WorkerPool
+
+log = logging.getLogger("toko.app")
+
+# How much longer systemd should wait each time we report drain progress.
+EXTEND_STOP_SECONDS = 3.0
+
+
+def open_store(settings: Settings) -> Store:
+    if settings.is_postgres:
+        raise NotImplementedError("the PostgreSQL backend is not part of this release")
+    return SqliteStore(settings.database)
+
+
+def make_mailer(settings: Settings) -> Mailer:
+    if settings.smtp is None:
+        return LogMailer()
+    # The SMTP timeout stays inside the job timeout so a hung server fails the attempt.
+    return SmtpMailer(settings.smtp, timeout=settings.job_timeout)
+
+
+def create_app(settings: Settings, notifier: Notifier | None = None) -> web.Application:
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[json_errors])
+    app[SETTINGS] = settings
+    app[NOTIFIER] = notifier or Notifier(None)
+    app.add_routes(routes)
+    app.cleanup_ctx.append(_store_ctx)
+    app.cleanup_ctx.append(_pool_ctx)
+    return app
+
+
+async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
+    store = open_store(app[SETTINGS])
+    await store.open()
+    app[STORE] = store
+    yield
+    await store.close()
+    log.info("store closed")
+
+
+async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    context = JobContext(make_mailer(settings), settings.mail_from, settings.admin_email)
+    config = PoolConfig(
+        workers=settings.workers,
+        job_timeout=settings.job_timeout,
+        backoff_base=settings.job_backoff,
+    )
+    pool = WorkerPool(app[STORE], context, HANDLERS, config)
+    await pool.start()
+    app[POOL] = pool
+    yield
+    notifier = app[NOTIFIER]
+
+    def report(busy: int) -> None:
+        status = f"draining: {busy} job(s) still running"
+        log.info("draining", extra={"JOBS_RUNNING": busy})
+        notifier.extend_timeout(EXTEND_STOP_SECONDS, status)
+
+    left = await pool.stop(settings.drain_timeout, report)
+    if left:
+        log.warning(
+            "drain timeout reached; unfinished jobs run again at the next start",
+            extra={"JOBS_RUNNING": left},
+        )
+    else:
+        log.info("workers drained")

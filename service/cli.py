@@ -1,0 +1,90 @@
+"""``toko-api``: the command-line entry point."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from service import __version__
+from service.logs import setup_logging
+from service.runner import run
+from service.settings import ConfigError, Settings
+from service.store.base import StoreError
+from service.store.lock import InstanceLock, InstanceLocked
+
+EPILOG = """\
+configuration comes from the environment (under systemd: /etc/toko/toko.env):
+  TOKO_LISTEN            host:port to listen on (default 127.0.0.1:8080)
+  TOKO_DATABASE          SQLite file (default $STATE_DIRECTORY/toko.db or ./var/toko.db)
+  TOKO_SMTP_URL          smtp://[user@]host:port; unset: emails go to the log
+  TOKO_ADMIN_EMAIL       who gets the emails (default admin@toko.com)
+  TOKO_MAIL_FROM         sender address (default toko@localhost)
+  TOKO_WORKERS           concurrent job workers (default 3)
+  TOKO_JOB_MAX_ATTEMPTS  attempts before a job is kept as failed (default 5)
+  TOKO_JOB_BACKOFF       base seconds of the exponential retry backoff (default 2)
+  TOKO_JOB_TIMEOUT       seconds one attempt may take (default 30)
+  TOKO_DRAIN_TIMEOUT     seconds running jobs get to finish on stop (default 10)
+  TOKO_LOG_LEVEL         debug, info, warning or error (default info)
+The SMTP password is read from the systemd credential 'smtp-password' or from
+the file named by TOKO_SMTP_PASSWORD_FILE.
+"""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="toko-api",
+        description="toko product API with a durable email job queue.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--check-config",
+        action="store_true",
+        help="validate the configuration and exit",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        settings = Settings.from_env(os.environ)
+    except ConfigError as exc:
+        print(f"toko-api: {exc}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        print("toko-api: configuration is valid")
+        return 0
+    setup_logging(settings.log_level, journal=settings.journal, identifier="toko-api")
+    log = logging.getLogger("toko")
+    lock = InstanceLock(settings.database)
+    try:
+        lock.acquire()
+    except InstanceLocked as exc:
+        print(f"toko-api: another toko-api uses this database: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"toko-api: cannot use {settings.database}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return run(settings)
+    except StoreError as exc:
+        log.critical("cannot start: %s", exc)
+        print(f"toko-api: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        log.critical("cannot start: %s", exc)
+        print(
+            f"toko-api: cannot listen on {settings.listen_host}:{settings.listen_port}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        lock.release()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

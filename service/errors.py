@@ -1,0 +1,50 @@
+"""Map every failure to a JSON error; no tracebacks ever reach a client."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from service.keys import SETTINGS
+from service.store.base import StoreError
+from service.validation import InvalidInput
+
+log = logging.getLogger("toko.http")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+def _http_error_message(request: web.Request, exc: web.HTTPException) -> str:
+    if isinstance(exc, web.HTTPNotFound):
+        return f"not found: {request.path}"
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return f"method {request.method} is not allowed on {request.path}; allowed: {allowed}"
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return f"request body too large; the limit is {request.app[SETTINGS].max_body_bytes} bytes"
+    return exc.reason
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except InvalidInput as exc:
+        return json_error(400, str(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return json_error(exc.status, _http_error_message(request, exc), headers)
+    except StoreError as exc:
+        log.error("storage failure: %s", exc, extra={"PATH": request.path})
+        return json_error(503, "storage is unavailable; try again shortly")
+    except Exception:
+        log.exception("unhandled error", extra={"PATH": request.path})
+        return json_error(500, "internal error; it has been logged")

@@ -1,0 +1,15 @@
+"""Typed keys for everything the application object carries."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from service.settings import Settings
+from service.store.base import Store
+from service.systemd import Notifier
+from service.workers import WorkerPool
+
+SETTINGS = web.AppKey("settings", Settings)
+STORE = web.AppKey("store", Store)
+POOL = web.AppKey("pool", WorkerPool)
+NOTIFIER = web.AppKey("notifier", Notifier)

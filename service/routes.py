@@ -1,0 +1,76 @@
+"""HTTP handlers: parse, call the domain, shape the answer. Field names follow the tutorial."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from service.errors import json_error
+from service.keys import POOL, SETTINGS, STORE
+from service.store.base import StoreError
+from service.tasks import product_email_job
+from service.validation import ID_MAX, page_params, parse_json_object, validate_new_product
+
+log = logging.getLogger("toko.http")
+routes = web.RouteTableDef()
+
+JSON_TYPES = {"application/json"}
+
+
+@routes.post("/produk")
+async def create_product(request: web.Request) -> web.Response:
+    if request.content_type not in JSON_TYPES and not request.content_type.endswith("+json"):
+        return json_error(
+            415,
+            f"Content-Type must be application/json, got {request.content_type or 'none'} "
+            "(with curl: -H 'Content-Type: application/json')",
+        )
+    data = parse_json_object(await request.read())
+    nama, harga = validate_new_product(data)
+    settings = request.app[SETTINGS]
+    product, job_id = await request.app[STORE].create_product(
+        nama, harga, lambda p: product_email_job(p, settings.job_max_attempts)
+    )
+    request.app[POOL].notify()
+    log.info("product created", extra={"PRODUCT_ID": product.id, "JOB_ID": job_id})
+    return web.json_response(
+        product.to_json(), status=201, headers={"Location": f"/produk/{product.id}"}
+    )
+
+
+@routes.get("/produk")
+async def list_products(request: web.Request) -> web.Response:
+    after, limit = page_params(request.query)
+    products = await request.app[STORE].list_products(after, limit)
+    headers = {}
+    if len(products) == limit:
+        headers["Link"] = f'</produk?after={products[-1].id}&limit={limit}>; rel="next"'
+    return web.json_response([p.to_json() for p in products], headers=headers)
+
+
+@routes.get(r"/produk/{id:\d+}")
+async def get_product(request: web.Request) -> web.Response:
+    product_id = int(request.match_info["id"])
+    product = await request.app[STORE].get_product(product_id) if product_id <= ID_MAX else None
+    if product is None:
+        return json_error(404, f"no product with id {request.match_info['id']}")
+    return web.json_response(product.to_json())
+
+
+@routes.get("/healthz")
+async def healthz(request: web.Request) -> web.Response:
+    pool = request.app[POOL]
+    workers = {"alive": pool.alive, "configured": pool.configured}
+    try:
+        counts = await request.app[STORE].counts()
+    except StoreError as exc:
+        log.error("health check: store failed: %s", exc)
+        body = {"status": "unhealthy", "error": "storage is unavailable", "workers": workers}
+        return web.json_response(body, status=503)
+    body = {"status": "ok", "queue": counts.to_json(), "workers": workers}
+    if not pool.healthy():
+        body["status"] = "unhealthy"
+        body["error"] = f"worker pool is not running ({pool.alive}/{pool.configured} workers alive)"
+        return web.json_response(body, status=503)
+    return web.json_response(body)

@@ -1,0 +1,164 @@
+"""The process lifecycle under systemd: start, READY, watchdog, drain, exit.
+
+Order matters and is the contract: READY=1 only once the store is open, the
+pool runs and the socket accepts; WATCHDOG=1 only while every worker lives;
+on SIGTERM, STOPPING=1, stop accepting, finish requests, drain jobs, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+
+from aiohttp import web
+
+from service.app import create_app
+from service.keys import POOL, STORE
+from service.settings import Settings
+from service.systemd import Notifier, passed_listen_sockets
+from service.workers import WorkerPool
+
+log = logging.getLogger("toko.runner")
+
+STATUS_SECONDS = 5.0
+# In-flight HTTP requests get this long after the socket closes.
+REQUEST_GRACE_SECONDS = 5.0
+
+
+class SideTaskDied(RuntimeError):
+    pass
+
+
+async def serve(settings: Settings) -> None:
+    notifier = Notifier(settings.notify_socket)
+    app = create_app(settings, notifier)
+    runner = web.AppRunner(
+        app, handle_signals=False, access_log=None, shutdown_timeout=REQUEST_GRACE_SECONDS
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    started = time.monotonic()
+    await runner.setup()  # opens the store and starts the pool (cleanup_ctx)
+    side_tasks: list[asyncio.Task[None]] = []
+    try:
+        address = await _start_site(runner, settings)
+        pool = app[POOL]
+        if settings.fault_injection:
+            _install_fault_injection(loop, pool, settings)
+        status = await _status_line(app)
+        notifier.ready(status)
+        log.info(
+            "ready",
+            extra={
+                "LISTEN": address,
+                "WORKERS": settings.workers,
+                "STARTUP_MS": round((time.monotonic() - started) * 1000, 1),
+                "MAILER": "smtp" if settings.smtp else "log",
+            },
+        )
+        side_tasks = [asyncio.create_task(_status_loop(app, notifier), name="toko-status")]
+        if settings.watchdog_interval:
+            side_tasks.append(
+                asyncio.create_task(
+                    _watchdog_loop(pool, notifier, settings.watchdog_interval),
+                    name="toko-watchdog",
+                )
+            )
+        assert pool.claimer is not None
+        await _wait_for_stop(stop, [pool.claimer, *side_tasks])
+        notifier.stopping("stopping: finishing requests and running jobs")
+        log.info("stopping", extra={"JOBS_RUNNING": pool.busy})
+    finally:
+        for task in side_tasks:
+            task.cancel()
+        await asyncio.gather(*side_tasks, return_exceptions=True)
+        await runner.cleanup()  # closes the socket, drains requests, then jobs, then the store
+        notifier.close()
+    log.info("stopped")
+
+
+async def _start_site(runner: web.AppRunner, settings: Settings) -> str:
+    sockets = passed_listen_sockets()
+    if sockets:
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
+        return ", ".join(str(sock.getsockname()) for sock in sockets) + " (socket activation)"
+    site = web.TCPSite(runner, settings.listen_host, settings.listen_port, backlog=1024)
+    await site.start()
+    return f"{settings.listen_host}:{settings.listen_port}"
+
+
+async def _wait_for_stop(stop: asyncio.Event, supervised: list[asyncio.Task[None]]) -> None:
+    stop_wait = asyncio.create_task(stop.wait(), name="toko-stop")
+    done, _ = await asyncio.wait([stop_wait, *supervised], return_when=asyncio.FIRST_COMPLETED)
+    if stop_wait in done:
+        return
+    stop_wait.cancel()
+    task = done.pop()
+    reason = "cancelled" if task.cancelled() else repr(task.exception())
+    log.critical("side task died; stopping", extra={"TASK": task.get_name(), "REASON": reason})
+    raise SideTaskDied(f"{task.get_name()} died: {reason}")
+
+
+async def _status_line(app: web.Application) -> str:
+    pool = app[POOL]
+    counts = await app[STORE].counts()
+    return (
+        f"pending={counts.pending} running={counts.running} failed={counts.failed} "
+        f"workers={pool.alive}/{pool.configured}"
+    )
+
+
+async def _status_loop(app: web.Application, notifier: Notifier) -> None:
+    while True:
+        await asyncio.sleep(STATUS_SECONDS)
+        try:
+            notifier.status(await _status_line(app))
+        except Exception as exc:  # a long-lived loop logs and keeps going
+            log.error("status update failed: %s", exc)
+
+
+async def _watchdog_loop(pool: WorkerPool, notifier: Notifier, interval: float) -> None:
+    # Runs on the event loop on purpose: a blocked loop stops the pings.
+    complained = False
+    while True:
+        if pool.healthy():
+            notifier.watchdog()
+            complained = False
+        elif not complained:
+            log.error(
+                "withholding watchdog ping: worker pool unhealthy",
+                extra={"WORKERS_ALIVE": pool.alive, "WORKERS": pool.configured},
+            )
+            complained = True
+        await asyncio.sleep(interval)
+
+
+def _install_fault_injection(
+    loop: asyncio.AbstractEventLoop, pool: WorkerPool, settings: Settings
+) -> None:
+    log.warning("fault injection enabled (testing only): SIGUSR1 kills a worker, SIGUSR2 blocks")
+
+    def block() -> None:
+        log.warning(
+            "fault injection: blocking the event loop",
+            extra={"SECONDS": settings.fault_block_seconds},
+        )
+        time.sleep(settings.fault_block_seconds)
+
+    loop.add_signal_handler(signal.SIGUSR1, pool.kill_one_worker)
+    loop.add_signal_handler(signal.SIGUSR2, block)
+
+
+def run(settings: Settings) -> int:
+    with contextlib.suppress(KeyboardInterrupt):
+        try:
+            asyncio.run(serve(settings))
+        except SideTaskDied:
+            return 1
+    return 0

@@ -1,0 +1,216 @@
+"""Configuration: built once from the environment, then passed around frozen.
+
+Nothing else in the service reads ``os.environ``; a bad value stops start-up
+with one line that names the variable.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import unquote, urlsplit
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A setting is missing or malformed; the message names the variable."""
+
+
+@dataclass(frozen=True)
+class SmtpTarget:
+    host: str
+    port: int
+    username: str | None
+    password: str | None
+    # smtps:// wraps the whole connection in TLS; smtp:// upgrades with STARTTLS
+    # when the server offers it (aiosmtplib's default).
+    use_tls: bool
+
+
+@dataclass(frozen=True)
+class Settings:
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8080
+    database: str = "var/toko.db"
+    smtp: SmtpTarget | None = None
+    admin_email: str = "admin@toko.com"
+    mail_from: str = "toko@localhost"
+    workers: int = 3
+    job_max_attempts: int = 5
+    job_backoff: float = 2.0
+    job_timeout: float = 30.0
+    drain_timeout: float = 10.0
+    log_level: str = "INFO"
+    max_body_bytes: int = 64 * 1024
+    # systemd's environment contract, read here so the rest stays pure.
+    notify_socket: str | None = None
+    watchdog_interval: float | None = None
+    journal: bool = False
+    fault_injection: bool = False
+    fault_block_seconds: float = 5.0
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.database.startswith(("postgresql://", "postgres://"))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> Settings:
+        env = _Env(environ)
+        host, port = env.get("TOKO_LISTEN", _parse_listen, ("127.0.0.1", 8080))
+        state_dir = environ.get("STATE_DIRECTORY", "").split(":")[0]
+        default_db = str(Path(state_dir) / "toko.db") if state_dir else "var/toko.db"
+        return cls(
+            listen_host=host,
+            listen_port=port,
+            database=env.get("TOKO_DATABASE", _parse_database, default_db),
+            smtp=_smtp_from_env(environ),
+            admin_email=env.get("TOKO_ADMIN_EMAIL", _parse_email, "admin@toko.com"),
+            mail_from=env.get("TOKO_MAIL_FROM", _parse_email, "toko@localhost"),
+            workers=env.get("TOKO_WORKERS", _int_between(1, 256), 3),
+            job_max_attempts=env.get("TOKO_JOB_MAX_ATTEMPTS", _int_between(1, 100), 5),
+            job_backoff=env.get("TOKO_JOB_BACKOFF", _seconds(0.0, 3600.0), 2.0),
+            job_timeout=env.get("TOKO_JOB_TIMEOUT", _seconds(0.1, 3600.0), 30.0),
+            drain_timeout=env.get("TOKO_DRAIN_TIMEOUT", _seconds(0.0, 3600.0), 10.0),
+            log_level=env.get("TOKO_LOG_LEVEL", _parse_log_level, "INFO"),
+            notify_socket=environ.get("NOTIFY_SOCKET") or None,
+            watchdog_interval=_watchdog_interval(environ),
+            journal=bool(environ.get("JOURNAL_STREAM")),
+            fault_injection=env.get("TOKO_FAULT_INJECTION", _parse_bool, False),
+            fault_block_seconds=env.get("TOKO_FAULT_BLOCK_SECONDS", _seconds(0.0, 600.0), 5.0),
+        )
+
+
+class _Env:
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self._environ = environ
+
+    def get(self, name: str, parse: Callable[[str], T], default: T) -> T:
+        raw = self._environ.get(name)
+        if raw is None or raw.strip() == "":
+            return default
+        try:
+            return parse(raw.strip())
+        except ValueError as exc:
+            raise ConfigError(f"{name} {exc}, got {raw!r}") from None
+
+
+def _parse_listen(raw: str) -> tuple[str, int]:
+    host, sep, port_text = raw.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError("must be host:port with a port from 1 to 65535")
+    return host, int(port_text)
+
+
+def _parse_database(raw: str) -> str:
+    if "://" in raw and not raw.startswith(("postgresql://", "postgres://")):
+        raise ValueError("must be a SQLite file path or a postgresql:// URL")
+    return raw
+
+
+def _parse_email(raw: str) -> str:
+    local, at, domain = raw.partition("@")
+    if not at or not local or not domain or any(c.isspace() or c in "<>," for c in raw):
+        raise ValueError("must be one plain address like name@example.com")
+    return raw
+
+
+def _int_between(low: int, high: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise ValueError(f"must be an integer from {low} to {high}")
+        return value
+
+    return parse
+
+
+def _seconds(low: float, high: float) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not low <= value <= high:  # NaN fails this too
+            raise ValueError(f"must be a number of seconds from {low:g} to {high:g}")
+        return value
+
+    return parse
+
+
+def _parse_log_level(raw: str) -> str:
+    level = raw.upper()
+    if level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+        raise ValueError("must be one of debug, info, warning, error")
+    return level
+
+
+def _parse_bool(raw: str) -> bool:
+    lowered = raw.lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError("must be 1 or 0")
+
+
+def _smtp_from_env(environ: Mapping[str, str]) -> SmtpTarget | None:
+    raw = environ.get("TOKO_SMTP_URL", "").strip()
+    if not raw:
+        return None
+    parts = urlsplit(raw)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in {"smtp", "smtps"} or not parts.hostname or port == -1:
+        raise ConfigError(f"TOKO_SMTP_URL must look like smtp://[user@]host:port, got {raw!r}")
+    if parts.password:
+        raise ConfigError(
+            "TOKO_SMTP_URL must not contain a password; use the systemd credential "
+            "'smtp-password' or TOKO_SMTP_PASSWORD_FILE"
+        )
+    use_tls = parts.scheme == "smtps"
+    return SmtpTarget(
+        host=parts.hostname,
+        port=port or (465 if use_tls else 25),
+        username=unquote(parts.username) if parts.username else None,
+        password=_smtp_password(environ),
+        use_tls=use_tls,
+    )
+
+
+def _smtp_password(environ: Mapping[str, str]) -> str | None:
+    """The SMTP password, from a systemd credential or a file, never from env."""
+    candidates: list[tuple[str, Path]] = []
+    if environ.get("TOKO_SMTP_PASSWORD_FILE"):
+        candidates.append(("TOKO_SMTP_PASSWORD_FILE", Path(environ["TOKO_SMTP_PASSWORD_FILE"])))
+    if environ.get("CREDENTIALS_DIRECTORY"):
+        path = Path(environ["CREDENTIALS_DIRECTORY"]) / "smtp-password"
+        if path.exists():
+            candidates.append(("CREDENTIALS_DIRECTORY/smtp-password", path))
+    for name, path in candidates:
+        try:
+            return path.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"{name}: cannot read {path}: {exc.strerror}") from None
+    return None
+
+
+def _watchdog_interval(environ: Mapping[str, str]) -> float | None:
+    """Half of WATCHDOG_USEC, as sd_watchdog_enabled(3) advises, when it is meant for us."""
+    usec = environ.get("WATCHDOG_USEC", "")
+    if not usec.isdigit() or int(usec) == 0:
+        return None
+    pid = environ.get("WATCHDOG_PID", "")
+    if pid and pid != str(os.getpid()):
+        return None
+    return int(usec) / 1_000_000 / 2

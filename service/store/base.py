@@ -1,0 +1,61 @@
+"""The storage interface the API, the workers and the timer jobs rely on.
+
+SQLite implements it today; a PostgreSQL backend slots in behind the same
+methods. Every method is a coroutine and never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from service.models import Job, NewJob, Product, QueueCounts
+
+
+class StoreError(RuntimeError):
+    """The store failed (disk, lock, corruption): our fault, never the client's."""
+
+
+class Store(Protocol):
+    async def open(self) -> None:
+        """Connect and apply pending schema migrations."""
+
+    async def close(self) -> None: ...
+
+    # products -------------------------------------------------------------
+    async def create_product(
+        self, nama: str, harga: int, make_job: Callable[[Product], NewJob]
+    ) -> tuple[Product, int]:
+        """Insert a product and its job in one durable transaction; return both ids."""
+
+    async def get_product(self, product_id: int) -> Product | None: ...
+
+    async def list_products(self, after_id: int, limit: int) -> list[Product]: ...
+
+    # queue ----------------------------------------------------------------
+    async def enqueue(self, job: NewJob) -> int: ...
+
+    async def claim(self, limit: int, lease_seconds: float) -> list[Job]:
+        """Lease up to ``limit`` due jobs (pending and due, or running with an expired lease)."""
+
+    async def complete(self, job_id: int) -> None: ...
+
+    async def retry(self, job_id: int, error: str, run_at: float) -> None:
+        """Put a failed attempt back as pending, due at ``run_at``."""
+
+    async def fail(self, job_id: int, error: str) -> None:
+        """Keep a job that used its last attempt as ``failed`` (the dead letter)."""
+
+    async def release(self, job_ids: Sequence[int]) -> None:
+        """Return claimed-but-unstarted jobs to pending without counting an attempt."""
+
+    async def recover_abandoned(self) -> int:
+        """At start-up: jobs left running by a dead process become pending again."""
+
+    async def next_due_at(self) -> float | None:
+        """When the earliest pending job falls due (None when there is none)."""
+
+    async def counts(self) -> QueueCounts: ...
+
+    async def ping(self) -> None:
+        """Raise StoreError unless the store answers."""

@@ -1,0 +1,76 @@
+"""Versioned SQLite schema. Append new steps; never edit a shipped one.
+
+The applied version lives in ``PRAGMA user_version``; each step runs in its
+own transaction together with the version bump, so a crash mid-upgrade leaves
+the previous version intact.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+MIGRATIONS: tuple[str, ...] = (
+    # 1: products and the job queue (the transactional outbox).
+    """
+    CREATE TABLE products (
+        id         INTEGER PRIMARY KEY,
+        nama       TEXT    NOT NULL,
+        harga      INTEGER NOT NULL CHECK (harga >= 0),
+        created_at REAL    NOT NULL
+    );
+    CREATE INDEX products_created_at ON products (created_at);
+    CREATE TABLE jobs (
+        id           INTEGER PRIMARY KEY,
+        kind         TEXT    NOT NULL,
+        payload      TEXT    NOT NULL,
+        state        TEXT    NOT NULL DEFAULT 'pending'
+                     CHECK (state IN ('pending', 'running', 'done', 'failed')),
+        attempts     INTEGER NOT NULL DEFAULT 0,
+        max_attempts INTEGER NOT NULL,
+        run_at       REAL    NOT NULL,
+        lease_until  REAL,
+        last_error   TEXT,
+        created_at   REAL    NOT NULL,
+        updated_at   REAL    NOT NULL
+    );
+    CREATE INDEX jobs_state_run_at ON jobs (state, run_at);
+    """,
+    # 2: one row per recap period, so a second run for the same period is a no-op.
+    """
+    CREATE TABLE recaps (
+        period         TEXT    PRIMARY KEY,
+        products_total INTEGER NOT NULL,
+        products_new   INTEGER NOT NULL,
+        job_id         INTEGER REFERENCES jobs (id),
+        created_at     REAL    NOT NULL
+    );
+    """,
+)
+
+LATEST_VERSION = len(MIGRATIONS)
+
+
+def migrate(conn: sqlite3.Connection) -> int:
+    """Bring the schema up to date; return the version it was at before."""
+    (before,) = conn.execute("PRAGMA user_version").fetchone()
+    if before > LATEST_VERSION:
+        raise RuntimeError(
+            f"database schema version {before} is newer than this toko ({LATEST_VERSION}); "
+            "upgrade toko or restore a matching backup"
+        )
+    for version in range(before + 1, LATEST_VERSION + 1):
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in _statements(MIGRATIONS[version - 1]):
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {version}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    return int(before)
+
+
+def _statements(script: str) -> list[str]:
+    # executescript() would commit on its own; split so the step stays one transaction.
+    return [part.strip() for part in script.split(";") if part.strip()]

@@ -1,0 +1,338 @@
+"""The SQLite store: one file under the state directory, WAL, durable commits.
+
+Writes go through :class:`GroupCommitWriter` (one thread, batched commits with
+``synchronous=FULL``); reads run on a small pool of read-only connections, which
+WAL lets proceed while the writer commits. No SQLite call runs on the event loop.
+
+Usage from other code (toko-recap, toko-backup, tests)::
+
+    store = SqliteStore("/var/lib/toko/toko.db")
+    await store.open()
+    try:
+        ...
+    finally:
+        await store.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from service.models import JOB_STATES, Job, NewJob, Product, QueueCounts
+from service.store.base import StoreError
+from service.store.group_commit import GroupCommitWriter
+from service.store.migrations import migrate
+
+T = TypeVar("T")
+
+_JOB_COLUMNS = "id, kind, payload, state, attempts, max_attempts, run_at, last_error"
+
+
+def connect(path: str, *, read_only: bool = False) -> sqlite3.Connection:
+    """A connection set up the way every toko process needs it."""
+    # isolation_level=None: we issue BEGIN/COMMIT ourselves (group commit, migrations).
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
+    conn.execute("PRAGMA busy_timeout = 10000")
+    if read_only:
+        conn.execute("PRAGMA query_only = 1")
+    else:
+        conn.execute("PRAGMA journal_mode = WAL")
+        # FULL: a commit is on disk before we answer 201, power cut included.
+        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute("PRAGMA foreign_keys = ON")
+    return conn
+
+
+def _job_from_row(row: Sequence[Any]) -> Job:
+    return Job(
+        id=row[0],
+        kind=row[1],
+        payload=json.loads(row[2]),
+        state=row[3],
+        attempts=row[4],
+        max_attempts=row[5],
+        run_at=row[6],
+        last_error=row[7],
+    )
+
+
+class SqliteStore:
+    def __init__(
+        self, path: str, *, clock: Callable[[], float] = time.time, readers: int = 2
+    ) -> None:
+        self.path = path
+        self._clock = clock
+        self._writer = GroupCommitWriter(lambda: connect(path))
+        self._reader_count = readers
+        self._readers: ThreadPoolExecutor | None = None
+        self._reader_local = threading.local()
+        self._reader_conns: list[sqlite3.Connection] = []
+        self._reader_lock = threading.Lock()
+
+    # lifecycle ---------------------------------------------------------------
+    async def open(self) -> None:
+        try:
+            await asyncio.to_thread(self._prepare)
+            self._writer.start()
+        except (OSError, sqlite3.Error, RuntimeError) as exc:
+            raise StoreError(f"cannot open database {self.path}: {exc}") from exc
+        self._readers = ThreadPoolExecutor(self._reader_count, "toko-sqlite-reader")
+
+    def _prepare(self) -> None:
+        parent = Path(self.path).parent
+        parent.mkdir(parents=True, exist_ok=True)
+        conn = connect(self.path)
+        try:
+            migrate(conn)
+        finally:
+            conn.close()
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._writer.stop)
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+            self._readers = None
+        with self._reader_lock:
+            for conn in self._reader_conns:
+                conn.close()
+            self._reader_conns.clear()
+
+    @property
+    def writer_stats(self) -> tuple[int, int]:
+        """(batches committed, writes committed): ops/batches is the group-commit factor."""
+        return self._writer.batches, self._writer.ops
+
+    # plumbing ------------------------------------------------------------------
+    async def _write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        try:
+            return await self._writer.run(fn)
+        except sqlite3.Error as exc:
+            raise StoreError(f"database write failed: {exc}") from exc
+        except RuntimeError as exc:
+            raise StoreError(str(exc)) from exc
+
+    async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        if self._readers is None:
+            raise StoreError("the store is closed")
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._readers, self._in_reader, fn)
+        except sqlite3.Error as exc:
+            raise StoreError(f"database read failed: {exc}") from exc
+
+    def _in_reader(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        conn: sqlite3.Connection | None = getattr(self._reader_local, "conn", None)
+        if conn is None:
+            conn = connect(self.path, read_only=True)
+            self._reader_local.conn = conn
+            with self._reader_lock:
+                self._reader_conns.append(conn)
+        return fn(conn)
+
+    # products ------------------------------------------------------------------
+    async def create_product(
+        self, nama: str, harga: int, make_job: Callable[[Product], NewJob]
+    ) -> tuple[Product, int]:
+        now = self._clock()
+
+        def write(conn: sqlite3.Connection) -> tuple[Product, int]:
+            cur = conn.execute(
+                "INSERT INTO products (nama, harga, created_at) VALUES (?, ?, ?)",
+                (nama, harga, now),
+            )
+            assert cur.lastrowid is not None
+            product = Product(cur.lastrowid, nama, harga, now)
+            return product, _insert_job(conn, make_job(product), now)
+
+        return await self._write(write)
+
+    async def get_product(self, product_id: int) -> Product | None:
+        def read(conn: sqlite3.Connection) -> Product | None:
+            row = conn.execute(
+                "SELECT id, nama, harga, created_at FROM products WHERE id = ?", (product_id,)
+            ).fetchone()
+            return Product(*row) if row else None
+
+        return await self._read(read)
+
+    async def list_products(self, after_id: int, limit: int) -> list[Product]:
+        def read(conn: sqlite3.Connection) -> list[Product]:
+            rows = conn.execute(
+                "SELECT id, nama, harga, created_at FROM products WHERE id > ? ORDER BY id LIMIT ?",
+                (after_id, limit),
+            ).fetchall()
+            return [Product(*row) for row in rows]
+
+        return await self._read(read)
+
+    async def product_counts(self, start: float, end: float) -> tuple[int, int]:
+        """(all products, products created in [start, end))."""
+
+        def read(conn: sqlite3.Connection) -> tuple[int, int]:
+            (total,) = conn.execute("SELECT count(*) FROM products").fetchone()
+            (new,) = conn.execute(
+                "SELECT count(*) FROM products WHERE created_at >= ? AND created_at < ?",
+                (start, end),
+            ).fetchone()
+            return int(total), int(new)
+
+        return await self._read(read)
+
+    # queue -----------------------------------------------------------------------
+    async def enqueue(self, job: NewJob) -> int:
+        now = self._clock()
+        return await self._write(lambda conn: _insert_job(conn, job, now))
+
+    async def claim(self, limit: int, lease_seconds: float) -> list[Job]:
+        now = self._clock()
+
+        def write(conn: sqlite3.Connection) -> list[Job]:
+            rows = conn.execute(
+                f"""
+                UPDATE jobs
+                   SET state = 'running', attempts = attempts + 1,
+                       lease_until = :lease, updated_at = :now
+                 WHERE id IN (
+                       SELECT id FROM jobs WHERE state = 'pending' AND run_at <= :now
+                       UNION ALL
+                       SELECT id FROM jobs WHERE state = 'running' AND lease_until < :now
+                       ORDER BY id LIMIT :limit)
+                RETURNING {_JOB_COLUMNS}
+                """,
+                {"now": now, "lease": now + lease_seconds, "limit": limit},
+            ).fetchall()
+            return sorted((_job_from_row(row) for row in rows), key=lambda job: job.id)
+
+        return await self._write(write)
+
+    async def complete(self, job_id: int) -> None:
+        await self._set_state(job_id, "done", None, None)
+
+    async def retry(self, job_id: int, error: str, run_at: float) -> None:
+        await self._set_state(job_id, "pending", error, run_at)
+
+    async def fail(self, job_id: int, error: str) -> None:
+        await self._set_state(job_id, "failed", error, None)
+
+    async def _set_state(
+        self, job_id: int, state: str, error: str | None, run_at: float | None
+    ) -> None:
+        now = self._clock()
+
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                """
+                UPDATE jobs SET state = ?, last_error = coalesce(?, last_error),
+                       run_at = coalesce(?, run_at), lease_until = NULL, updated_at = ?
+                 WHERE id = ?
+                """,
+                (state, error, run_at, now, job_id),
+            )
+
+        await self._write(write)
+
+    async def release(self, job_ids: Sequence[int]) -> None:
+        if not job_ids:
+            return
+        now = self._clock()
+        ids = list(job_ids)
+
+        def write(conn: sqlite3.Connection) -> None:
+            conn.executemany(
+                """
+                UPDATE jobs SET state = 'pending', attempts = max(attempts - 1, 0),
+                       lease_until = NULL, updated_at = ?
+                 WHERE id = ? AND state = 'running'
+                """,
+                [(now, job_id) for job_id in ids],
+            )
+
+        await self._write(write)
+
+    async def recover_abandoned(self) -> int:
+        now = self._clock()
+
+        def write(conn: sqlite3.Connection) -> int:
+            # A single SQLite file has a single toko-api (it holds the instance
+            # lock), so any running job belongs to a process that is gone.
+            cur = conn.execute(
+                "UPDATE jobs SET state = 'pending', lease_until = NULL, updated_at = ? "
+                "WHERE state = 'running'",
+                (now,),
+            )
+            return cur.rowcount
+
+        return await self._write(write)
+
+    async def next_due_at(self) -> float | None:
+        def read(conn: sqlite3.Connection) -> float | None:
+            (due,) = conn.execute("SELECT min(run_at) FROM jobs WHERE state = 'pending'").fetchone()
+            (lease,) = conn.execute(
+                "SELECT min(lease_until) FROM jobs WHERE state = 'running'"
+            ).fetchone()
+            times = [t for t in (due, lease) if t is not None]
+            return min(times) if times else None
+
+        return await self._read(read)
+
+    async def counts(self) -> QueueCounts:
+        def read(conn: sqlite3.Connection) -> QueueCounts:
+            figures = dict.fromkeys(JOB_STATES, 0)
+            for state, count in conn.execute(
+                "SELECT state, count(*) FROM jobs GROUP BY state"
+            ).fetchall():
+                figures[state] = count
+            return QueueCounts(**figures)
+
+        return await self._read(read)
+
+    async def get_job(self, job_id: int) -> Job | None:
+        def read(conn: sqlite3.Connection) -> Job | None:
+            row = conn.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)
+            ).fetchone()
+            return _job_from_row(row) if row else None
+
+        return await self._read(read)
+
+    async def ping(self) -> None:
+        await self._read(lambda conn: conn.execute("SELECT 1").fetchone())
+
+    # recaps ------------------------------------------------------------------------
+    async def record_recap(
+        self, period: str, products_total: int, products_new: int, job: NewJob
+    ) -> int | None:
+        """Record a period's recap and enqueue its email, once: None if already recorded."""
+        now = self._clock()
+
+        def write(conn: sqlite3.Connection) -> int | None:
+            exists = conn.execute("SELECT 1 FROM recaps WHERE period = ?", (period,)).fetchone()
+            if exists:
+                return None
+            job_id = _insert_job(conn, job, now)
+            conn.execute(
+                "INSERT INTO recaps (period, products_total, products_new, job_id, created_at) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (period, products_total, products_new, job_id, now),
+            )
+            return job_id
+
+        return await self._write(write)
+
+
+def _insert_job(conn: sqlite3.Connection, job: NewJob, now: float) -> int:
+    cur = conn.execute(
+        "INSERT INTO jobs (kind, payload, max_attempts, run_at, created_at, updated_at) "
+        "VALUES (?, ?, ?, ?, ?, ?)",
+        (job.kind, json.dumps(job.payload), job.max_attempts, now, now, now),
+    )
+    assert cur.lastrowid is not None
+    return cur.lastrowid

@@ -1,0 +1,113 @@
+"""Turn untrusted request input into domain values, or say exactly what is wrong."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+NAMA_MAX = 200
+HARGA_MAX = 10**12
+PAGE_DEFAULT = 50
+PAGE_MAX = 200
+# SQLite and PostgreSQL integers are 64-bit; larger ids cannot exist.
+ID_MAX = 2**63 - 1
+PRODUCT_FIELDS = frozenset({"nama", "harga"})
+
+
+class InvalidInput(ValueError):
+    """The client sent something we cannot accept (HTTP 400)."""
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"body is not valid UTF-8 (byte {exc.start})") from None
+    if not text.strip():
+        raise InvalidInput("body is empty; send a JSON object")
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(
+            f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidInput(f"body must be a JSON object, not {_json_type(value)}")
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidInput(f"body is not valid JSON: {name} is not a JSON number")
+
+
+def validate_new_product(data: Mapping[str, Any]) -> tuple[str, int]:
+    unknown = sorted(set(data) - PRODUCT_FIELDS)
+    if unknown:
+        raise InvalidInput(f"unknown field(s): {', '.join(unknown)}; allowed: harga, nama")
+    return _nama(data), _harga(data)
+
+
+def _nama(data: Mapping[str, Any]) -> str:
+    if "nama" not in data:
+        raise InvalidInput("field 'nama' is required")
+    nama = data["nama"]
+    if not isinstance(nama, str):
+        raise InvalidInput(f"field 'nama' must be a string, not {_json_type(nama)}")
+    nama = nama.strip()
+    if not nama:
+        raise InvalidInput("field 'nama' must not be empty")
+    if len(nama) > NAMA_MAX:
+        raise InvalidInput(f"field 'nama' must be at most {NAMA_MAX} characters, got {len(nama)}")
+    if any(ord(c) < 32 or 0xD800 <= ord(c) <= 0xDFFF for c in nama):
+        raise InvalidInput("field 'nama' must not contain control characters")
+    return nama
+
+
+def _harga(data: Mapping[str, Any]) -> int:
+    if "harga" not in data:
+        raise InvalidInput("field 'harga' is required")
+    harga = data["harga"]
+    # bool is a subclass of int in Python; JSON true is not a price.
+    if isinstance(harga, bool) or not isinstance(harga, int):
+        raise InvalidInput(f"field 'harga' must be an integer, not {_json_type(harga)}")
+    if not 0 <= harga <= HARGA_MAX:
+        raise InvalidInput(f"field 'harga' must be between 0 and {HARGA_MAX}, got {harga}")
+    return harga
+
+
+def page_params(query: Mapping[str, str]) -> tuple[int, int]:
+    """(after_id, limit) from ``?after=&limit=``."""
+    unknown = sorted(set(query) - {"after", "limit"})
+    if unknown:
+        raise InvalidInput(
+            f"unknown query parameter(s): {', '.join(unknown)}; allowed: after, limit"
+        )
+    limit = _int_param(query, "limit", PAGE_DEFAULT, 1, PAGE_MAX)
+    after = _int_param(query, "after", 0, 0, ID_MAX)
+    return after, limit
+
+
+def _int_param(query: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+    raw = query.get(name)
+    if raw is None:
+        return default
+    if not raw.isascii() or not raw.isdigit() or not low <= int(raw) <= high:
+        raise InvalidInput(f"query parameter '{name}' must be an integer from {low} to {high}")
+    return int(raw)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number with a fraction"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"

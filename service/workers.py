@@ -1,0 +1,286 @@
+"""The worker pool: claim due jobs, run them, ack or retry; never die silently.
+
+One claimer task leases as many due jobs as there are idle workers (one
+round trip for several jobs) and hands them over; ``TOKO_WORKERS`` worker
+tasks run them. A committed job wakes the claimer at once (``notify``); a
+slow sweep catches jobs enqueued by other processes and retries falling due.
+
+An exception in a job fails that attempt only. A worker task that dies anyway
+is logged and replaced, up to a budget: a pool that keeps dying is reported
+dead, so /healthz turns 503 and the watchdog lets systemd restart us.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from service.models import Job
+from service.store.base import Store, StoreError
+from service.tasks import Handler, JobContext, job_fields
+
+log = logging.getLogger("toko.worker")
+
+# How long the claimer sleeps when nothing is due and nobody wakes it.
+SWEEP_SECONDS = 1.0
+# Backing off when the store itself fails, so a broken disk is not hammered.
+STORE_RETRY_SECONDS = 1.0
+MAX_BACKOFF_SECONDS = 3600.0
+# More deaths than this within the window and the pool gives up replacing.
+DEATH_BUDGET = 5
+DEATH_WINDOW_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    workers: int
+    job_timeout: float
+    max_backoff: float = MAX_BACKOFF_SECONDS
+    backoff_base: float = 2.0
+
+    @property
+    def lease_seconds(self) -> float:
+        # Longer than any attempt may take, so a live worker never loses its lease.
+        return self.job_timeout * 2 + 30.0
+
+
+def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
+    """Exponential backoff with equal jitter: half fixed, half random."""
+    delay = min(cap, base * 2.0 ** max(attempt - 1, 0))
+    return delay / 2 + rng.uniform(0, delay / 2)
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        store: Store,
+        context: JobContext,
+        handlers: dict[str, Handler],
+        config: PoolConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._store = store
+        self._context = context
+        self._handlers = handlers
+        self._config = config
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._handoff: asyncio.Queue[Job | None] = asyncio.Queue()
+        self._wakeup = asyncio.Event()
+        self._capacity = asyncio.Event()
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        self._claimer: asyncio.Task[None] | None = None
+        self._busy = 0
+        self._stopping = False
+        self._deaths: list[float] = []
+        self._gave_up = False
+        self.succeeded = 0
+        self.retried = 0
+        self.failed = 0
+
+    # public ----------------------------------------------------------------------
+    @property
+    def configured(self) -> int:
+        return self._config.workers
+
+    @property
+    def alive(self) -> int:
+        return sum(1 for task in self._workers.values() if not task.done())
+
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    def healthy(self) -> bool:
+        claimer_ok = self._claimer is not None and not self._claimer.done()
+        return claimer_ok and self.alive == self.configured
+
+    @property
+    def claimer(self) -> asyncio.Task[None] | None:
+        return self._claimer
+
+    def notify(self) -> None:
+        """A job was committed: look for work now rather than at the next sweep."""
+        self._wakeup.set()
+
+    async def start(self) -> None:
+        recovered = await self._store.recover_abandoned()
+        if recovered:
+            log.warning(
+                "re-queued jobs left running by a previous process",
+                extra={"JOBS": recovered},
+            )
+        for index in range(1, self._config.workers + 1):
+            self._spawn(f"worker-{index}")
+        self._claimer = asyncio.create_task(self._claim_loop(), name="toko-claimer")
+
+    def kill_one_worker(self) -> None:
+        """Fault injection: end a worker task the way a bug would."""
+        for task in self._workers.values():
+            if not task.done():
+                task.cancel("fault injection")
+                return
+
+    async def stop(self, drain_timeout: float, on_tick: Callable[[int], None]) -> int:
+        """Stop claiming, let running jobs finish for up to ``drain_timeout``.
+
+        Jobs claimed but not started go back to pending. ``on_tick(busy)`` is
+        called about every second while waiting. Returns how many jobs were
+        still running at the deadline (they run again at the next start).
+        """
+        self._stopping = True
+        if self._claimer is not None:
+            self._claimer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._claimer
+        unstarted: list[int] = []
+        while not self._handoff.empty():
+            job = self._handoff.get_nowait()
+            if job is not None:
+                unstarted.append(job.id)
+        try:
+            await self._store.release(unstarted)
+        except StoreError as exc:
+            log.error("could not release unstarted jobs: %s", exc)
+        for _ in self._workers:
+            self._handoff.put_nowait(None)  # each idle worker exits on its None
+        deadline = time.monotonic() + drain_timeout
+        pending = {task for task in self._workers.values() if not task.done()}
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            on_tick(self._busy)
+            _, pending = await asyncio.wait(pending, timeout=min(1.0, remaining))
+        left = self._busy
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        return left
+
+    # claimer ---------------------------------------------------------------------
+    async def _claim_loop(self) -> None:
+        while True:
+            free = self._idle() - self._handoff.qsize()
+            if free <= 0:
+                self._capacity.clear()
+                await self._capacity.wait()
+                continue
+            # Clear before claiming: a job committed during the claim sets it
+            # again, so no wake-up is lost between the claim and the wait.
+            self._wakeup.clear()
+            try:
+                jobs = await self._store.claim(free, self._config.lease_seconds)
+                for job in jobs:
+                    self._handoff.put_nowait(job)
+                if len(jobs) == free:
+                    continue
+                wait = await self._seconds_until_due()
+            except StoreError as exc:
+                log.error("claiming jobs failed, retrying: %s", exc)
+                wait = STORE_RETRY_SECONDS
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), wait)
+
+    def _idle(self) -> int:
+        return self.alive - self._busy
+
+    async def _seconds_until_due(self) -> float:
+        due = await self._store.next_due_at()
+        if due is None:
+            return SWEEP_SECONDS
+        return min(SWEEP_SECONDS, max(0.0, due - self._clock()))
+
+    # workers ---------------------------------------------------------------------
+    def _spawn(self, name: str) -> None:
+        task = asyncio.create_task(self._work_loop(name), name=f"toko-{name}")
+        self._workers[name] = task
+        task.add_done_callback(functools.partial(self._on_worker_exit, name))
+
+    def _on_worker_exit(self, name: str, task: asyncio.Task[None]) -> None:
+        if self._stopping:
+            return
+        reason = "cancelled" if task.cancelled() else repr(task.exception())
+        log.error("worker died", extra={"WORKER": name, "REASON": reason})
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < DEATH_WINDOW_SECONDS] + [now]
+        if len(self._deaths) > DEATH_BUDGET:
+            self._gave_up = True
+            log.critical(
+                "workers keep dying; not replacing any more (the watchdog will restart us)",
+                extra={"WORKER": name},
+            )
+            return
+        self._spawn(name)
+        self._capacity.set()
+        log.warning("worker replaced", extra={"WORKER": name})
+
+    async def _work_loop(self, name: str) -> None:
+        while True:
+            job = await self._handoff.get()
+            if job is None:
+                return
+            self._busy += 1
+            try:
+                await self._run(job, name)
+            finally:
+                self._busy -= 1
+                self._capacity.set()
+
+    async def _run(self, job: Job, worker: str) -> None:
+        fields = {**job_fields(job), "WORKER": worker}
+        handler = self._handlers.get(job.kind)
+        started = time.monotonic()
+        log.debug("job started", extra=fields)
+        try:
+            if handler is None:
+                raise LookupError(f"no handler for job kind {job.kind!r}")
+            async with asyncio.timeout(self._config.job_timeout):
+                await handler(job, self._context)
+        except Exception as exc:
+            error = _describe(exc)
+            await self._record_failure(job, error, fields)
+            return
+        fields["DURATION_MS"] = round((time.monotonic() - started) * 1000, 1)
+        try:
+            await self._store.complete(job.id)
+        except StoreError as exc:
+            # The job ran but is not marked done: it runs again later (at-least-once).
+            log.error("could not mark job done: %s", exc, extra=fields)
+            return
+        self.succeeded += 1
+        log.info("job succeeded", extra=fields)
+
+    async def _record_failure(self, job: Job, error: str, fields: dict[str, object]) -> None:
+        fields = {**fields, "ERROR": error}
+        try:
+            if job.attempts >= job.max_attempts:
+                await self._store.fail(job.id, error)
+                self.failed += 1
+                log.error("job failed permanently", extra=fields)
+                return
+            delay = backoff_delay(
+                job.attempts, self._config.backoff_base, self._config.max_backoff, self._rng
+            )
+            await self._store.retry(job.id, error, self._clock() + delay)
+        except StoreError as exc:
+            log.error("could not record job failure: %s", exc, extra=fields)
+            return
+        self.retried += 1
+        log.warning("job failed, will retry", extra={**fields, "RETRY_IN_S": round(delay, 3)})
+        self.notify()  # the claimer recomputes when the next job falls due
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}"[:1000]
