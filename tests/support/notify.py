@@ -1,0 +1,175 @@
+"""A real sd_notify receiver: an AF_UNIX datagram socket bound in a temp dir.
+
+Usage::
+
+    with NotifyListener() as notify:          # env NOTIFY_SOCKET=notify.path
+        ...start the process...
+        ready = await notify.async_wait_for_field("READY", "1", timeout=10)
+        notify.count("WATCHDOG", since=ready.at, until=ready.at + 2)
+        notify.first("STOPPING")              # Notification or None
+
+A thread receives the datagrams, stamps each with ``time.monotonic()`` as it
+arrives and records it in :attr:`NotifyListener.log`. Optional ``hooks`` run in
+that thread *before* the datagram is recorded (and so before any waiter wakes):
+this is where a test checks something at the very moment a message arrives,
+e.g. that the service's port already accepts connections when READY=1 comes.
+"""
+
+from __future__ import annotations
+
+import select
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from tests.support.recorder import Recorder
+
+
+@dataclass(frozen=True)
+class Notification:
+    """One datagram: its arrival time and its ``KEY=VALUE`` lines."""
+
+    at: float  # time.monotonic() at reception
+    raw: str
+    fields: dict[str, str]
+
+    def get(self, key: str) -> str | None:
+        return self.fields.get(key)
+
+
+Hook = Callable[[Notification], None]
+
+
+class NotifyListener:
+    """Receives sd_notify datagrams on a fresh socket; a context manager."""
+
+    def __init__(self, hooks: Sequence[Hook] = ()) -> None:
+        self.hooks: list[Hook] = list(hooks)
+        self.log: Recorder[Notification] = Recorder("notify")
+        self.hook_errors: list[BaseException] = []
+        # AF_UNIX paths are limited to ~107 bytes; pytest's tmp_path can be longer.
+        self._dir = tempfile.mkdtemp(prefix="toko-notify-", dir="/tmp")
+        self.path = str(Path(self._dir) / "notify.sock")
+        self._sock: socket.socket | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> NotifyListener:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(self.path)
+        self._thread = threading.Thread(target=self._run, name="notify-listener", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._wake_w.send(b"x")
+            self._thread.join(5)
+            self._thread = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._wake_r.close()
+        self._wake_w.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> NotifyListener:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        assert self._sock is not None
+        while True:
+            readable, _, _ = select.select([self._sock, self._wake_r], [], [])
+            if self._wake_r in readable:
+                return
+            data = self._sock.recv(65536)
+            at = time.monotonic()
+            text = data.decode("utf-8", errors="replace")
+            fields: dict[str, str] = {}
+            for line in text.split("\n"):
+                if line:
+                    key, _, value = line.partition("=")
+                    fields[key] = value
+            note = Notification(at=at, raw=text, fields=fields)
+            for hook in self.hooks:
+                try:
+                    hook(note)
+                except Exception as exc:  # surfaced by tests via hook_errors
+                    self.hook_errors.append(exc)
+            self.log.append(note)
+
+    # -- queries -----------------------------------------------------------
+
+    def messages(self, key: str | None = None) -> list[Notification]:
+        """All notifications, or those carrying ``key``."""
+        return [n for n in self.log.snapshot() if key is None or key in n.fields]
+
+    def first(self, key: str, value: str | None = None) -> Notification | None:
+        for n in self.log.snapshot():
+            if key in n.fields and (value is None or n.fields[key] == value):
+                return n
+        return None
+
+    def count(self, key: str, since: float = 0.0, until: float = float("inf")) -> int:
+        """How many notifications carrying ``key`` arrived in [since, until)."""
+        return sum(1 for n in self.log.snapshot() if key in n.fields and since <= n.at < until)
+
+    def times(self, key: str) -> list[float]:
+        """Arrival times of the notifications carrying ``key``."""
+        return [n.at for n in self.log.snapshot() if key in n.fields]
+
+    def wait_for_field(
+        self, key: str, value: str | None = None, timeout: float = 10.0, since: float = 0.0
+    ) -> Notification:
+        """Block until a notification with ``key`` (= ``value``) arrives at/after ``since``."""
+        return self.log.wait_for(_match(key, value, since), timeout, _what(key, value))
+
+    async def async_wait_for_field(
+        self,
+        key: str,
+        value: str | None = None,
+        timeout: float = 10.0,  # noqa: ASYNC109
+        since: float = 0.0,
+    ) -> Notification:
+        """Await a notification with ``key`` (= ``value``) arriving at/after ``since``."""
+        return await self.log.async_wait_for(_match(key, value, since), timeout, _what(key, value))
+
+
+def _what(key: str, value: str | None) -> str:
+    return key if value is None else f"{key}={value}"
+
+
+def _match(
+    key: str, value: str | None, since: float
+) -> Callable[[Sequence[Notification]], Notification | None]:
+    def predicate(items: Sequence[Notification]) -> Notification | None:
+        for n in items:
+            if n.at >= since and key in n.fields and (value is None or n.fields[key] == value):
+                return n
+        return None
+
+    return predicate
+
+
+def send(path: str, message: str) -> None:
+    """Send one datagram to ``path`` like sd_notify does (for tests of this module)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.connect(path)
+        s.send(message.encode())
+
+
+__all__ = ["Notification", "NotifyListener", "send"]

@@ -1,0 +1,241 @@
+"""A real SMTP server on 127.0.0.1 whose behaviour a test switches at run time.
+
+Usage::
+
+    with SmtpServer() as smtp:                 # listening on smtp.port
+        env = {"TOKO_SMTP_URL": smtp.url}
+        smtp.set_delay(1.5)                    # every reply to DATA waits 1.5 s
+        smtp.fail_next(3)                      # next 3 messages get 451 (4xx)
+        smtp.fail_for(2.0)                     # every message for 2 s gets 451
+        smtp.refuse_subject("BAD")             # subject containing BAD gets 550 (5xx)
+        smtp.reset()                           # back to: deliver at once
+        await smtp.async_wait_delivered(10, timeout=30)   # 10 distinct Message-IDs
+        smtp.delivered()                       # list[SmtpMessage], outcome "delivered"
+
+Every message that reaches the end of DATA is recorded in :attr:`SmtpServer.log`
+(a :class:`~tests.support.recorder.Recorder`) with its outcome, *including*
+rejected ones, so a test can compare the Message-ID of a rejected attempt with
+the one finally delivered. :attr:`SmtpServer.arrivals` records each message when
+its DATA arrives, before any delay, so a test can tell that a send is in flight.
+
+The decision for a message is made in this order: refused subject (550), then
+temporary failure (451), else delivery; the delay applies before every reply.
+The server runs in aiosmtpd's own thread and loop; every method here is
+thread-safe and can be called from a test's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email
+import email.policy
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal
+
+from aiosmtpd.controller import Controller
+from aiosmtpd.smtp import SMTP, Envelope, Session
+
+from tests.support.recorder import Recorder
+
+Outcome = Literal["arrived", "delivered", "tempfailed", "refused"]
+
+TEMPFAIL_REPLY = "451 4.3.0 Temporary failure injected by the test"
+REFUSE_REPLY = "550 5.7.1 Message refused by the test"
+
+
+@dataclass(frozen=True)
+class SmtpMessage:
+    """One message as the server saw it at the end of DATA."""
+
+    outcome: Outcome
+    message_id: str
+    subject: str
+    to: tuple[str, ...]  # envelope recipients (RCPT TO)
+    mail_from: str
+    raw: bytes = field(repr=False)
+    at: float  # time.monotonic() when recorded
+
+    @property
+    def headers(self) -> email.message.EmailMessage:
+        """The parsed message (headers decoded, RFC 2047 included)."""
+        msg = email.message_from_bytes(self.raw, policy=email.policy.default)
+        assert isinstance(msg, email.message.EmailMessage)
+        return msg
+
+
+@dataclass
+class _Behaviour:
+    delay: float = 0.0
+    fail_next: int = 0
+    fail_until: float = 0.0
+    refuse: list[str] = field(default_factory=list)
+
+
+class _Handler:
+    def __init__(self, server: SmtpServer) -> None:
+        self._server = server
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        return await self._server._handle(envelope)
+
+
+class _PreboundController(Controller):
+    """aiosmtpd's Controller on a socket bound beforehand, so port 0 can be used."""
+
+    def __init__(self, handler: Any, sock: socket.socket, **kwargs: Any) -> None:
+        self._sock = sock
+        super().__init__(handler, hostname="127.0.0.1", port=sock.getsockname()[1], **kwargs)
+
+    def _create_server(self) -> Any:
+        return self.loop.create_server(self._factory_invoker, sock=self._sock)
+
+
+class SmtpServer:
+    """A switchable, recording SMTP server; a context manager (or start()/stop())."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._behaviour = _Behaviour()
+        self.log: Recorder[SmtpMessage] = Recorder("smtp")
+        self.arrivals: Recorder[SmtpMessage] = Recorder("smtp arrivals")
+        self._controller: _PreboundController | None = None
+        self.port = 0
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def start(self) -> SmtpServer:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        self.port = sock.getsockname()[1]
+        self._controller = _PreboundController(
+            _Handler(self), sock, enable_SMTPUTF8=True, decode_data=False
+        )
+        self._controller.start()
+        return self
+
+    def stop(self) -> None:
+        if self._controller is not None:
+            self._controller.stop()
+            self._controller = None
+
+    def __enter__(self) -> SmtpServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        """The value for TOKO_SMTP_URL."""
+        return f"smtp://127.0.0.1:{self.port}"
+
+    # -- behaviour switches (any thread) -----------------------------------
+
+    def reset(self) -> None:
+        """Deliver every message at once."""
+        with self._lock:
+            self._behaviour = _Behaviour()
+
+    def set_delay(self, seconds: float) -> None:
+        """Wait ``seconds`` before replying to each message's DATA."""
+        with self._lock:
+            self._behaviour.delay = seconds
+
+    def fail_next(self, count: int) -> None:
+        """Answer 451 (temporary) to the next ``count`` messages."""
+        with self._lock:
+            self._behaviour.fail_next = count
+
+    def fail_for(self, seconds: float) -> None:
+        """Answer 451 (temporary) to every message for the next ``seconds``."""
+        with self._lock:
+            self._behaviour.fail_until = time.monotonic() + seconds
+
+    def refuse_subject(self, contains: str) -> None:
+        """Answer 550 (permanent) to messages whose subject contains ``contains``."""
+        with self._lock:
+            self._behaviour.refuse.append(contains)
+
+    # -- queries -----------------------------------------------------------
+
+    def messages(self, outcome: Outcome | None = None) -> list[SmtpMessage]:
+        """Recorded messages, optionally only those with ``outcome``."""
+        return [m for m in self.log.snapshot() if outcome is None or m.outcome == outcome]
+
+    def delivered(self) -> list[SmtpMessage]:
+        return self.messages("delivered")
+
+    def delivered_ids(self) -> set[str]:
+        """Distinct Message-IDs delivered so far."""
+        return {m.message_id for m in self.delivered()}
+
+    def duplicates(self) -> dict[str, int]:
+        """Message-IDs delivered more than once, with their counts."""
+        counts = Counter(m.message_id for m in self.delivered())
+        return {mid: n for mid, n in counts.items() if n > 1}
+
+    def wait_delivered(self, count: int, timeout: float) -> set[str]:
+        """Block until ``count`` distinct Message-IDs were delivered; return them."""
+        return self.log.wait_for(
+            _distinct_delivered(count), timeout, f"{count} distinct delivered Message-IDs"
+        )
+
+    async def async_wait_delivered(self, count: int, timeout: float) -> set[str]:  # noqa: ASYNC109
+        """Await ``count`` distinct delivered Message-IDs; return them."""
+        return await self.log.async_wait_for(
+            _distinct_delivered(count), timeout, f"{count} distinct delivered Message-IDs"
+        )
+
+    # -- the SMTP side (aiosmtpd's thread) ---------------------------------
+
+    async def _handle(self, envelope: Envelope) -> str:
+        raw = envelope.original_content or b""
+        parsed = email.message_from_bytes(raw, policy=email.policy.default)
+        message_id = str(parsed.get("Message-ID", "")).strip()
+        subject = str(parsed.get("Subject", ""))
+        base = {
+            "message_id": message_id,
+            "subject": subject,
+            "to": tuple(envelope.rcpt_tos),
+            "mail_from": envelope.mail_from or "",
+            "raw": raw,
+        }
+        self.arrivals.append(SmtpMessage(outcome="arrived", at=time.monotonic(), **base))
+        with self._lock:
+            b = self._behaviour
+            delay = b.delay
+            outcome: Outcome
+            if any(pattern in subject for pattern in b.refuse):
+                outcome, reply = "refused", REFUSE_REPLY
+            elif b.fail_next > 0:
+                b.fail_next -= 1
+                outcome, reply = "tempfailed", TEMPFAIL_REPLY
+            elif time.monotonic() < b.fail_until:
+                outcome, reply = "tempfailed", TEMPFAIL_REPLY
+            else:
+                outcome, reply = "delivered", "250 OK"
+        if delay > 0:
+            await asyncio.sleep(delay)
+        self.log.append(SmtpMessage(outcome=outcome, at=time.monotonic(), **base))
+        return reply
+
+
+def _distinct_delivered(count: int) -> Any:
+    def predicate(items: Sequence[SmtpMessage]) -> set[str] | None:
+        ids = {m.message_id for m in items if m.outcome == "delivered"}
+        return ids if len(ids) >= count else None
+
+    return predicate
