@@ -47,6 +47,8 @@ class Settings:
     drain_timeout: float = 10.0
     log_level: str = "INFO"
     max_body_bytes: int = 64 * 1024
+    backup_dir: str = "var/backups"
+    backup_keep: int = 7
     # systemd's environment contract, read here so the rest stays pure.
     notify_socket: str | None = None
     watchdog_interval: float | None = None
@@ -64,10 +66,12 @@ class Settings:
         host, port = env.get("TOKO_LISTEN", _parse_listen, ("127.0.0.1", 8080))
         state_dir = environ.get("STATE_DIRECTORY", "").split(":")[0]
         default_db = str(Path(state_dir) / "toko.db") if state_dir else "var/toko.db"
+        database = env.get("TOKO_DATABASE", _parse_database, default_db)
+        default_backups = str(Path(database).parent / "backups")
         return cls(
             listen_host=host,
             listen_port=port,
-            database=env.get("TOKO_DATABASE", _parse_database, default_db),
+            database=database,
             smtp=_smtp_from_env(environ),
             admin_email=env.get("TOKO_ADMIN_EMAIL", _parse_email, "admin@toko.com"),
             mail_from=env.get("TOKO_MAIL_FROM", _parse_email, "toko@localhost"),
@@ -77,6 +81,8 @@ class Settings:
             job_timeout=env.get("TOKO_JOB_TIMEOUT", _seconds(0.1, 3600.0), 30.0),
             drain_timeout=env.get("TOKO_DRAIN_TIMEOUT", _seconds(0.0, 3600.0), 10.0),
             log_level=env.get("TOKO_LOG_LEVEL", _parse_log_level, "INFO"),
+            backup_dir=env.get("TOKO_BACKUP_DIR", str, default_backups),
+            backup_keep=env.get("TOKO_BACKUP_KEEP", _int_between(1, 10000), 7),
             notify_socket=environ.get("NOTIFY_SOCKET") or None,
             watchdog_interval=_watchdog_interval(environ),
             journal=bool(environ.get("JOURNAL_STREAM")),

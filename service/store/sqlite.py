@@ -174,10 +174,12 @@ class SqliteStore:
         return await self._read(read)
 
     async def product_counts(self, start: float, end: float) -> tuple[int, int]:
-        """(all products, products created in [start, end))."""
+        """(products created before ``end``, products created in [start, end))."""
 
         def read(conn: sqlite3.Connection) -> tuple[int, int]:
-            (total,) = conn.execute("SELECT count(*) FROM products").fetchone()
+            (total,) = conn.execute(
+                "SELECT count(*) FROM products WHERE created_at < ?", (end,)
+            ).fetchone()
             (new,) = conn.execute(
                 "SELECT count(*) FROM products WHERE created_at >= ? AND created_at < ?",
                 (start, end),

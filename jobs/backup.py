@@ -1,0 +1,174 @@
+"""``toko-backup``: consistent online backups of the SQLite store, and restore.
+
+Started nightly by toko-backup.timer while toko-api keeps writing: SQLite's
+backup API copies a consistent snapshot (WAL lets the writer carry on), the
+copy is checked with ``PRAGMA integrity_check``, then published atomically
+(temporary file, fsync, rename, fsync of the folder) with mode 0600. Only
+the newest TOKO_BACKUP_KEEP backups are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+
+from jobs.common import JobFailed, run_job
+from service.settings import Settings
+from service.store.lock import InstanceLock, InstanceLocked
+from service.store.sqlite import connect
+
+log = logging.getLogger("toko.backup")
+PREFIX = "toko-"
+SUFFIX = ".db"
+
+
+def backup_name(now: float) -> str:
+    return PREFIX + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + SUFFIX
+
+
+def list_backups(folder: Path) -> list[Path]:
+    """Finished backups, oldest first (the timestamped names sort by time)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob(f"{PREFIX}*{SUFFIX}") if p.is_file())
+
+
+def check_integrity(path: Path) -> None:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        rows = conn.execute("PRAGMA integrity_check").fetchall()
+    except sqlite3.DatabaseError as exc:
+        raise JobFailed(f"{path} is not a usable SQLite database: {exc}") from exc
+    finally:
+        conn.close()
+    if rows != [("ok",)]:
+        raise JobFailed(f"{path} failed the integrity check: {rows[:3]}")
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_backup(database: str, folder: Path, keep: int) -> Path:
+    if not Path(database).exists():
+        raise JobFailed(f"no database at {database} (has toko-api ever started?)")
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    final = folder / backup_name(time.time())
+    tmp = folder / f".{final.name}.partial"
+    tmp.unlink(missing_ok=True)
+    # Create it 0600 before SQLite writes a byte: backups hold all the shop's data.
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    try:
+        source = connect(database, read_only=True)
+        target = sqlite3.connect(tmp)
+        try:
+            source.backup(target)
+            # A self-contained single file: no -wal beside it to lose.
+            target.execute("PRAGMA journal_mode = DELETE")
+        finally:
+            target.close()
+            source.close()
+        check_integrity(tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        tmp.rename(final)
+        _fsync_dir(folder)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    pruned = prune(folder, keep)
+    log.info(
+        "backup written",
+        extra={"PATH": str(final), "BYTES": final.stat().st_size, "PRUNED": len(pruned)},
+    )
+    return final
+
+
+def prune(folder: Path, keep: int) -> list[Path]:
+    old = list_backups(folder)[:-keep]
+    for path in old:
+        path.unlink()
+    return old
+
+
+def restore(database: str, source: Path) -> Path | None:
+    """Replace the database with ``source``; the current file is kept beside it."""
+    if not source.is_file():
+        raise JobFailed(f"no backup file at {source}")
+    check_integrity(source)
+    lock = InstanceLock(database)
+    try:
+        lock.acquire()  # also keeps toko-api from starting mid-restore
+    except InstanceLocked:
+        raise JobFailed(
+            "toko-api is running; stop it first (systemctl stop toko-api), then restore"
+        ) from None
+    try:
+        db = Path(database)
+        kept: Path | None = None
+        if db.exists():
+            # Fold any WAL content into the old file so the kept copy is complete.
+            conn = connect(database)
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            conn.close()
+            kept = db.with_name(f"{db.name}.before-restore-{backup_name(time.time())[5:-3]}")
+            shutil.copy2(db, kept)
+        tmp = db.with_name(f".{db.name}.restoring")
+        shutil.copyfile(source, tmp)
+        os.chmod(tmp, 0o600)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        for stale in (db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+            stale.unlink(missing_ok=True)
+        tmp.rename(db)
+        _fsync_dir(db.parent)
+    finally:
+        lock.release()
+    log.info("backup restored", extra={"PATH": str(source), "PREVIOUS": str(kept)})
+    return kept
+
+
+def _main(args: argparse.Namespace, settings: Settings) -> int:
+    folder = Path(settings.backup_dir)
+    try:
+        if args.list:
+            for path in list_backups(folder):
+                print(f"{path}  {path.stat().st_size} bytes")
+        elif args.restore:
+            kept = restore(settings.database, Path(args.restore))
+            print(f"restored {args.restore} into {settings.database}")
+            if kept:
+                print(f"the previous database is kept as {kept}")
+        else:
+            print(make_backup(settings.database, folder, settings.backup_keep))
+    except (OSError, sqlite3.Error) as exc:
+        raise JobFailed(str(exc)) from exc
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="toko-backup",
+        description=(
+            "Write a verified, consistent backup of the toko database while toko-api runs, "
+            "keeping the newest TOKO_BACKUP_KEEP (default 7) in TOKO_BACKUP_DIR "
+            "(default: backups/ beside the database)."
+        ),
+    )
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument(
+        "--restore",
+        metavar="FILE",
+        help="replace the database with FILE (toko-api must be stopped)",
+    )
+    action.add_argument("--list", action="store_true", help="list the backups, oldest first")
+    return run_job("toko-backup", parser, _main)

@@ -1,0 +1,37 @@
+"""What every timer job shares: settings, logging, and one-line failures."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from service import __version__
+from service.logs import setup_logging
+from service.settings import ConfigError, Settings
+
+
+class JobFailed(Exception):
+    """A timer job could not do its work; the message is the one line printed."""
+
+
+def run_job(
+    name: str, parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace, Settings], int]
+) -> int:
+    """Parse arguments, load settings, run ``body``; failures end as one line and exit 1."""
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    args = parser.parse_args()
+    try:
+        settings = Settings.from_env(os.environ)
+    except ConfigError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level, journal=settings.journal, identifier=name)
+    try:
+        return body(args, settings)
+    except JobFailed as exc:
+        logging.getLogger(f"toko.{name}").error("%s failed: %s", name, exc)
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 1

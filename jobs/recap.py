@@ -1,0 +1,76 @@
+"""``toko-recap``: record a period's product figures once and email them.
+
+Started daily by toko-recap.timer. The recap row is keyed by period, so a
+second run for the same period (a re-run, a catch-up, another host) changes
+nothing and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from datetime import date, datetime, timedelta
+
+from jobs.common import JobFailed, run_job
+from service.settings import Settings
+from service.store.base import StoreError
+from service.store.sqlite import SqliteStore
+from service.tasks import recap_email_job
+
+log = logging.getLogger("toko.recap")
+
+
+def parse_period(text: str) -> date:
+    try:
+        return date.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a date like 2026-11-28: {text!r}") from None
+
+
+def period_bounds(day: date) -> tuple[float, float]:
+    """[start, end) of a calendar day in the host's time zone, as epoch seconds."""
+    start = datetime.combine(day, datetime.min.time()).astimezone()
+    end = datetime.combine(day + timedelta(days=1), datetime.min.time()).astimezone()
+    return start.timestamp(), end.timestamp()
+
+
+async def record(settings: Settings, day: date) -> int | None:
+    start, end = period_bounds(day)
+    store = SqliteStore(settings.database)
+    await store.open()
+    try:
+        total, new = await store.product_counts(start, end)
+        job = recap_email_job(day.isoformat(), total, new, settings.job_max_attempts)
+        job_id = await store.record_recap(day.isoformat(), total, new, job)
+    finally:
+        await store.close()
+    fields = {"PERIOD": day.isoformat(), "PRODUCTS_TOTAL": total, "PRODUCTS_NEW": new}
+    if job_id is None:
+        log.info("recap already recorded for this period; nothing to do", extra=fields)
+    else:
+        log.info("recap recorded", extra={**fields, "JOB_ID": job_id})
+    return job_id
+
+
+def _main(args: argparse.Namespace, settings: Settings) -> int:
+    day: date = args.period or (datetime.now().astimezone().date() - timedelta(days=1))
+    try:
+        asyncio.run(record(settings, day))
+    except StoreError as exc:
+        raise JobFailed(str(exc)) from exc
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="toko-recap",
+        description="Record the product recap for one day and queue its email to the admin.",
+    )
+    parser.add_argument(
+        "--period",
+        type=parse_period,
+        metavar="YYYY-MM-DD",
+        help="the day to recap (default: yesterday, host time zone)",
+    )
+    return run_job("toko-recap", parser, _main)
