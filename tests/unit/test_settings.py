@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from service.settings import ConfigError, Settings
+
+
+def test_defaults_need_no_configuration() -> None:
+    s = Settings.from_env({})
+    assert (s.listen_host, s.listen_port) == ("127.0.0.1", 8080)
+    assert s.database == "var/toko.db"
+    assert s.smtp is None
+    assert s.admin_email == "admin@toko.com"
+    assert s.workers == 3
+    assert s.drain_timeout == 10.0
+    assert s.watchdog_interval is None
+    assert s.backup_dir == "var/backups"
+
+
+def test_state_directory_holds_the_database_and_backups() -> None:
+    s = Settings.from_env({"STATE_DIRECTORY": "/var/lib/toko"})
+    assert s.database == "/var/lib/toko/toko.db"
+    assert s.backup_dir == "/var/lib/toko/backups"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("TOKO_LISTEN", "nonsense"),
+        ("TOKO_LISTEN", "127.0.0.1:0"),
+        ("TOKO_LISTEN", "127.0.0.1:99999"),
+        ("TOKO_WORKERS", "abc"),
+        ("TOKO_WORKERS", "0"),
+        ("TOKO_JOB_MAX_ATTEMPTS", "-1"),
+        ("TOKO_JOB_BACKOFF", "-1"),
+        ("TOKO_JOB_BACKOFF", "nan"),
+        ("TOKO_JOB_TIMEOUT", "0"),
+        ("TOKO_DRAIN_TIMEOUT", "soon"),
+        ("TOKO_ADMIN_EMAIL", "not-an-address"),
+        ("TOKO_MAIL_FROM", "a@b, c@d"),
+        ("TOKO_LOG_LEVEL", "loud"),
+        ("TOKO_DATABASE", "mysql://x"),
+        ("TOKO_SMTP_URL", "http://mail:25"),
+        ("TOKO_SMTP_URL", "smtp://user:secret@mail:25"),
+        ("TOKO_BACKUP_KEEP", "0"),
+        ("TOKO_FAULT_INJECTION", "maybe"),
+    ],
+)
+def test_bad_values_name_the_variable(name: str, value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({name: value})
+    message = str(info.value)
+    assert message.startswith(name)
+    assert "\n" not in message
+    if "secret" in value:
+        assert "secret" not in message  # never echo a password
+
+
+def test_smtp_url_and_password_from_credentials(tmp_path: Path) -> None:
+    (tmp_path / "smtp-password").write_text("s3cret\n")
+    s = Settings.from_env(
+        {"TOKO_SMTP_URL": "smtp://mailer@127.0.0.1:2525", "CREDENTIALS_DIRECTORY": str(tmp_path)}
+    )
+    assert s.smtp is not None
+    assert (s.smtp.host, s.smtp.port, s.smtp.username) == ("127.0.0.1", 2525, "mailer")
+    assert s.smtp.password == "s3cret"
+    assert not s.smtp.use_tls
+
+
+def test_unreadable_password_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="TOKO_SMTP_PASSWORD_FILE"):
+        Settings.from_env(
+            {
+                "TOKO_SMTP_URL": "smtp://127.0.0.1:25",
+                "TOKO_SMTP_PASSWORD_FILE": str(tmp_path / "missing"),
+            }
+        )
+
+
+def test_watchdog_interval_is_half_of_watchdog_usec() -> None:
+    assert Settings.from_env({"WATCHDOG_USEC": "10000000"}).watchdog_interval == 5.0
+    # Meant for another process: not ours to send.
+    assert (
+        Settings.from_env({"WATCHDOG_USEC": "10000000", "WATCHDOG_PID": "1"}).watchdog_interval
+        is None
+    )
+
+
+def test_listen_accepts_ipv6_brackets() -> None:
+    s = Settings.from_env({"TOKO_LISTEN": "[::1]:9000"})
+    assert (s.listen_host, s.listen_port) == ("::1", 9000)

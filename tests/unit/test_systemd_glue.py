@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from service.logs import JsonLineFormatter
+from service.systemd import Notifier
+
+
+@pytest.fixture
+def notify_socket(tmp_path: Path) -> Iterator[tuple[str, socket.socket]]:
+    path = str(tmp_path / "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(5)
+    yield path, sock
+    sock.close()
+
+
+def test_notifier_sends_ready_watchdog_stopping(
+    notify_socket: tuple[str, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, sock = notify_socket
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    notifier = Notifier(path)
+    notifier.ready("pending=0")
+    notifier.watchdog()
+    notifier.extend_timeout(3, "draining")
+    notifier.stopping("bye")
+    notifier.close()
+    received = [sock.recv(4096).decode() for _ in range(4)]
+    assert received == [
+        "READY=1\nSTATUS=pending=0",
+        "WATCHDOG=1",
+        "EXTEND_TIMEOUT_USEC=3000000\nSTATUS=draining",
+        "STOPPING=1\nSTATUS=bye",
+    ]
+
+
+def test_notifier_is_a_no_op_outside_systemd() -> None:
+    notifier = Notifier(None)
+    assert not notifier.enabled
+    notifier.ready("x")  # must not raise
+    notifier.close()
+
+
+def test_json_lines_carry_structured_fields() -> None:
+    record = logging.LogRecord("toko.worker", logging.INFO, __file__, 1, "job %s", ("ok",), None)
+    record.JOB_ID = 7
+    record.WORKER = "worker-1"
+    line = json.loads(JsonLineFormatter().format(record))
+    assert line["message"] == "job ok"
+    assert line["level"] == "INFO"
+    assert (line["JOB_ID"], line["WORKER"]) == (7, "worker-1")
+    assert line["ts"].endswith("Z")

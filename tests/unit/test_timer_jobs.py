@@ -1,0 +1,124 @@
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import stat
+import threading
+from datetime import date
+from pathlib import Path
+
+import pytest
+
+from jobs import backup, recap
+from jobs.common import JobFailed
+from service.models import Product
+from service.settings import Settings
+from service.store.lock import InstanceLock, is_locked
+from service.store.sqlite import SqliteStore
+from service.tasks import product_email_job
+
+
+async def seed(path: str, count: int) -> None:
+    store = SqliteStore(path)
+    await store.open()
+    try:
+        await asyncio.gather(*(store.create_product(f"p{i}", i, _job) for i in range(count)))
+    finally:
+        await store.close()
+
+
+def _job(product: Product) -> object:
+    return product_email_job(product, 3)
+
+
+def count(path: Path | str, table: str) -> int:
+    conn = sqlite3.connect(path)
+    try:
+        return int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+    finally:
+        conn.close()
+
+
+async def test_recap_counts_the_period_and_runs_once(tmp_path: Path) -> None:
+    db = str(tmp_path / "toko.db")
+    await seed(db, 3)
+    settings = Settings(database=db)
+    today = date.today()
+    assert await recap.record(settings, today) is not None
+    assert await recap.record(settings, today) is None
+    conn = sqlite3.connect(db)
+    assert conn.execute("SELECT products_total, products_new FROM recaps").fetchall() == [(3, 3)]
+    assert conn.execute("SELECT count(*) FROM jobs WHERE kind='recap_email'").fetchone() == (1,)
+    conn.close()
+
+
+def test_period_bounds_cover_one_local_day() -> None:
+    start, end = recap.period_bounds(date(2026, 11, 28))
+    assert 23 * 3600 <= end - start <= 25 * 3600  # DST days are 23 or 25 hours
+
+
+async def test_backup_while_writing_is_consistent_private_and_pruned(tmp_path: Path) -> None:
+    db = str(tmp_path / "toko.db")
+    await seed(db, 50)
+    folder = tmp_path / "backups"
+    stop = threading.Event()
+
+    def writer() -> None:  # another process-like writer keeps committing meanwhile
+        conn = sqlite3.connect(db, timeout=10)
+        while not stop.is_set():
+            conn.execute("INSERT INTO products (nama, harga, created_at) VALUES ('w', 1, 0)")
+            conn.commit()
+        conn.close()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        made = []
+        for second in range(3):
+            path = backup.make_backup(db, folder, keep=2)
+            # Names carry the second; make them distinct without sleeping.
+            renamed = path.with_name(f"toko-2026010{second}T000000Z.db")
+            path.rename(renamed)
+            made.append(renamed)
+    finally:
+        stop.set()
+        thread.join()
+    backup.prune(folder, keep=2)
+    kept = backup.list_backups(folder)
+    assert kept == made[1:]
+    for path in kept:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        backup.check_integrity(path)
+        assert count(path, "products") >= 50
+    assert not list(folder.glob(".*partial"))
+
+
+def test_backup_without_a_database_fails_clearly(tmp_path: Path) -> None:
+    with pytest.raises(JobFailed, match="no database"):
+        backup.make_backup(str(tmp_path / "none.db"), tmp_path / "b", keep=1)
+
+
+async def test_restore_refuses_while_the_api_holds_the_lock(tmp_path: Path) -> None:
+    db = str(tmp_path / "toko.db")
+    await seed(db, 2)
+    saved = backup.make_backup(db, tmp_path / "b", keep=3)
+    lock = InstanceLock(db)
+    lock.acquire()
+    try:
+        assert is_locked(db)
+        with pytest.raises(JobFailed, match="toko-api is running"):
+            backup.restore(db, saved)
+    finally:
+        lock.release()
+    await seed(db, 5)
+    assert count(db, "products") == 7
+    kept = backup.restore(db, saved)
+    assert count(db, "products") == 2
+    assert kept is not None and count(kept, "products") == 7
+
+
+def test_restore_rejects_a_corrupt_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(b"not a database at all" * 100)
+    with pytest.raises(JobFailed, match="not a usable SQLite database"):
+        backup.restore(str(tmp_path / "toko.db"), bad)

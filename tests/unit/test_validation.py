@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from service.validation import InvalidInput, page_params, parse_json_object, validate_new_product
+
+
+def test_valid_product_is_trimmed() -> None:
+    assert validate_new_product({"nama": "  Teh Hijau ", "harga": 45000}) == ("Teh Hijau", 45000)
+    assert validate_new_product({"nama": "x" * 200, "harga": 10**12})[1] == 10**12
+    assert validate_new_product({"nama": "Gratis", "harga": 0})[1] == 0
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ({"harga": 1}, "'nama' is required"),
+        ({"nama": "a"}, "'harga' is required"),
+        ({"nama": "", "harga": 1}, "must not be empty"),
+        ({"nama": "   ", "harga": 1}, "must not be empty"),
+        ({"nama": "x" * 201, "harga": 1}, "at most 200"),
+        ({"nama": 5, "harga": 1}, "must be a string"),
+        ({"nama": "a\x00b", "harga": 1}, "control characters"),
+        ({"nama": "a", "harga": True}, "not a boolean"),
+        ({"nama": "a", "harga": 1.5}, "not a decimal number"),
+        ({"nama": "a", "harga": 1.0}, "not a decimal number"),
+        ({"nama": "a", "harga": "100"}, "not a string"),
+        ({"nama": "a", "harga": -1}, "between 0 and"),
+        ({"nama": "a", "harga": 10**12 + 1}, "between 0 and"),
+        ({"nama": "a", "harga": 1, "stok": 3}, "unknown field(s): stok"),
+    ],
+)
+def test_invalid_products_say_what_is_wrong(data: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(InvalidInput, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        validate_new_product(data)
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b"", "empty"),
+        (b"{", "not valid JSON"),
+        (b"\xff\xfe", "UTF-8"),
+        (b"[1, 2]", "not an array"),
+        (b"null", "not null"),
+        (b'"text"', "not a string"),
+        (b'{"harga": NaN}', "NaN is not a JSON number"),
+    ],
+)
+def test_bodies_that_are_not_json_objects(body: bytes, fragment: str) -> None:
+    with pytest.raises(InvalidInput, match=fragment):
+        parse_json_object(body)
+
+
+def test_page_params() -> None:
+    assert page_params({}) == (0, 50)
+    assert page_params({"after": "10", "limit": "200"}) == (10, 200)
+    for bad in ({"limit": "0"}, {"limit": "201"}, {"after": "-1"}, {"after": "x"}, {"page": "2"}):
+        with pytest.raises(InvalidInput):
+            page_params(bad)

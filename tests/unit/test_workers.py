@@ -1,0 +1,216 @@
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from email.message import EmailMessage
+
+import pytest
+
+from service import workers
+from service.models import Job, NewJob
+from service.store.sqlite import SqliteStore
+from service.tasks import JobContext
+from service.workers import PoolConfig, WorkerPool, backoff_delay
+
+
+class NoMail:
+    async def send(self, msg: EmailMessage) -> None:
+        raise AssertionError("these tests do not send mail")
+
+
+CONTEXT = JobContext(NoMail(), "toko@localhost", "admin@toko.com")
+HandlerFn = Callable[[Job, JobContext], Awaitable[None]]
+
+
+@pytest.fixture
+async def make_pool(store: SqliteStore) -> AsyncIterator[Callable[..., WorkerPool]]:
+    pools: list[WorkerPool] = []
+
+    def make(handler: HandlerFn, **config: float) -> WorkerPool:
+        cfg = PoolConfig(
+            workers=int(config.get("workers", 2)),
+            job_timeout=config.get("job_timeout", 5.0),
+            backoff_base=config.get("backoff_base", 0.01),
+        )
+        pool = WorkerPool(store, CONTEXT, {"k": handler}, cfg, rng=random.Random(7))
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        await pool.stop(0.5, lambda busy: None)
+
+
+async def wait_state(store: SqliteStore, job_id: int, state: str) -> Job:
+    async with asyncio.timeout(10):
+        while True:
+            job = await store.get_job(job_id)
+            if job is not None and job.state == state:
+                return job
+            await asyncio.sleep(0.01)  # no event for a row change; poll with a deadline
+
+
+async def test_a_committed_job_wakes_the_pool_without_waiting_for_a_sweep(
+    store: SqliteStore, make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(workers, "SWEEP_SECONDS", 60.0)
+    ran = asyncio.Event()
+
+    async def handler(job: Job, ctx: JobContext) -> None:
+        ran.set()
+
+    pool = make_pool(handler)
+    await pool.start()
+    await asyncio.sleep(0.05)  # let the claimer find the queue empty and park
+    await store.enqueue(NewJob("k", {}, 3))
+    pool.notify()
+    async with asyncio.timeout(5):  # far below the 60 s sweep
+        await ran.wait()
+
+
+async def test_exceptions_are_retried_then_kept_as_failed(
+    store: SqliteStore, make_pool: Callable[..., WorkerPool]
+) -> None:
+    attempts: list[int] = []
+
+    async def handler(job: Job, ctx: JobContext) -> None:
+        attempts.append(job.attempts)
+        raise RuntimeError("smtp said no")
+
+    pool = make_pool(handler)
+    job_id = await store.enqueue(NewJob("k", {}, 3))
+    await pool.start()
+    job = await wait_state(store, job_id, "failed")
+    assert attempts == [1, 2, 3]
+    assert job.last_error == "RuntimeError: smtp said no"
+    assert pool.healthy(), "a failing job must not hurt the workers"
+    assert (pool.retried, pool.failed) == (2, 1)
+
+
+async def test_a_job_that_fails_once_then_succeeds(
+    store: SqliteStore, make_pool: Callable[..., WorkerPool]
+) -> None:
+    async def handler(job: Job, ctx: JobContext) -> None:
+        if job.attempts == 1:
+            raise ConnectionError("temporary")
+
+    pool = make_pool(handler)
+    job_id = await store.enqueue(NewJob("k", {}, 3))
+    await pool.start()
+    done = await wait_state(store, job_id, "done")
+    assert done.attempts == 2
+
+
+async def test_a_hanging_job_times_out(
+    store: SqliteStore, make_pool: Callable[..., WorkerPool]
+) -> None:
+    async def handler(job: Job, ctx: JobContext) -> None:
+        await asyncio.Event().wait()
+
+    pool = make_pool(handler, job_timeout=0.1)
+    job_id = await store.enqueue(NewJob("k", {}, 1))
+    await pool.start()
+    job = await wait_state(store, job_id, "failed")
+    assert job.last_error == "timed out"
+
+
+async def test_unknown_kind_fails_without_killing_a_worker(
+    store: SqliteStore, make_pool: Callable[..., WorkerPool]
+) -> None:
+    async def handler(job: Job, ctx: JobContext) -> None:
+        pass
+
+    pool = make_pool(handler)
+    job_id = await store.enqueue(NewJob("nonexistent", {}, 1))
+    await pool.start()
+    job = await wait_state(store, job_id, "failed")
+    assert "no handler" in (job.last_error or "")
+    assert pool.alive == 2
+
+
+async def test_a_dead_worker_is_replaced(
+    store: SqliteStore, make_pool: Callable[..., WorkerPool]
+) -> None:
+    async def handler(job: Job, ctx: JobContext) -> None:
+        pass
+
+    pool = make_pool(handler)
+    await pool.start()
+    pool.kill_one_worker()
+    await asyncio.sleep(0)  # the cancellation lands
+    await asyncio.sleep(0)  # the done callback runs
+    assert pool.alive == 2 and pool.healthy()
+    job_id = await store.enqueue(NewJob("k", {}, 1))
+    pool.notify()
+    await wait_state(store, job_id, "done")
+
+
+async def test_a_pool_that_keeps_dying_reports_itself_unhealthy(
+    store: SqliteStore, make_pool: Callable[..., WorkerPool]
+) -> None:
+    async def handler(job: Job, ctx: JobContext) -> None:
+        pass
+
+    pool = make_pool(handler, workers=1)
+    await pool.start()
+    for _ in range(workers.DEATH_BUDGET + 1):
+        pool.kill_one_worker()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+    assert pool.alive == 0
+    assert not pool.healthy()
+
+
+async def test_stop_drains_the_running_job_and_releases_unstarted_ones(
+    store: SqliteStore, make_pool: Callable[..., WorkerPool]
+) -> None:
+    started = asyncio.Event()
+    release = asyncio.Event()
+
+    async def handler(job: Job, ctx: JobContext) -> None:
+        started.set()
+        await release.wait()
+
+    pool = make_pool(handler, workers=1)
+    first = await store.enqueue(NewJob("k", {}, 3))
+    second = await store.enqueue(NewJob("k", {}, 3))
+    await pool.start()
+    await started.wait()
+    ticks: list[int] = []
+
+    def on_tick(busy: int) -> None:
+        ticks.append(busy)
+        release.set()  # the job finishes while the pool drains
+
+    left = await pool.stop(5.0, on_tick)
+    assert left == 0 and ticks[0] == 1
+    assert (await store.get_job(first)).state == "done"  # type: ignore[union-attr]
+    unstarted = await store.get_job(second)
+    assert unstarted is not None and unstarted.state == "pending" and unstarted.attempts == 0
+
+
+async def test_drain_timeout_leaves_the_job_for_the_next_start(
+    store: SqliteStore, make_pool: Callable[..., WorkerPool]
+) -> None:
+    started = asyncio.Event()
+
+    async def handler(job: Job, ctx: JobContext) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    pool = make_pool(handler, workers=1)
+    job_id = await store.enqueue(NewJob("k", {}, 3))
+    await pool.start()
+    await started.wait()
+    assert await pool.stop(0.05, lambda busy: None) == 1
+    assert (await store.get_job(job_id)).state == "running"  # type: ignore[union-attr]
+    assert await store.recover_abandoned() == 1
+
+
+def test_backoff_grows_exponentially_with_jitter() -> None:
+    rng = random.Random(1)
+    for attempt, base in [(1, 2.0), (2, 4.0), (3, 8.0), (20, 3600.0)]:
+        delays = [backoff_delay(attempt, 2.0, 3600.0, rng) for _ in range(200)]
+        assert all(base / 2 <= d <= base for d in delays)
+        assert max(delays) - min(delays) > base / 4, "no jitter"
