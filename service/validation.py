@@ -105,7 +105,7 @@ def _json_type(value: Any) -> str:
     if isinstance(value, int):
         return "an integer"
     if isinstance(value, float):
-        return "a number with a fraction"
+        return "a decimal number"
     if isinstance(value, str):
         return "a string"
     if isinstance(value, list):
