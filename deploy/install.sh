@@ -1,0 +1,124 @@
+#!/bin/sh
+# Install or upgrade toko as systemd services on Debian 12 or later:
+#   sudo make install        (from a checkout)
+# Installs the build packages it needs, the system user toko, a virtualenv in
+# /opt/toko/venv with this checkout, the units, /etc/toko/toko.env (only when
+# missing), and enables and starts toko-api.socket, toko-api.service and both
+# timers. Running it again upgrades in place and keeps the data in /var/lib/toko.
+set -eu
+
+PREFIX=/opt/toko
+VENV=$PREFIX/venv
+UNIT_DIR=/usr/local/lib/systemd/system # the local admin's vendor dir: /etc stays for overrides
+CONF_DIR=/etc/toko
+USER_NAME=toko
+# Build needs of systemd-python (libsystemd-dev, pkg-config, a C compiler, the
+# Python headers) and the venv module; the same list as the Makefile's APT_BUILD.
+APT_PACKAGES="python3-venv python3-dev libsystemd-dev pkg-config gcc"
+UNITS="toko-api.socket toko-api.service toko-recap.service toko-recap.timer toko-backup.service toko-backup.timer"
+
+say() { echo "toko install: $*"; }
+die() {
+    echo "toko install: error: $*" >&2
+    exit 1
+}
+
+[ "$(id -u)" -eq 0 ] || die "run as root: sudo make install"
+SRC=$(cd "$(dirname "$0")/.." && pwd)
+[ -f "$SRC/pyproject.toml" ] || die "no pyproject.toml in $SRC: run from a toko checkout"
+
+missing=""
+for pkg in $APT_PACKAGES; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" ||
+        missing="$missing $pkg"
+done
+if [ -n "$missing" ]; then
+    say "installing Debian packages:$missing"
+    apt-get update -qq
+    # shellcheck disable=SC2086 # one word a package
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
+else
+    say "Debian packages present"
+fi
+
+if getent passwd "$USER_NAME" >/dev/null; then
+    say "system user $USER_NAME exists"
+else
+    say "creating system user $USER_NAME"
+    # Home is the state directory, so `sudo -u toko sqlite3 toko.db` works from it.
+    useradd --system --user-group --home-dir /var/lib/toko --no-create-home \
+        --shell /usr/sbin/nologin --comment "toko product API" "$USER_NAME"
+fi
+
+# A venv from another Python (e.g. after a Debian upgrade) cannot be repaired: rebuild it.
+if [ -x "$VENV/bin/python" ] && ! "$VENV/bin/python" -c "" 2>/dev/null; then
+    say "virtualenv $VENV is broken, recreating it"
+    rm -rf "$VENV"
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+    say "creating virtualenv $VENV"
+    install -d -m 0755 "$PREFIX"
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install -q --disable-pip-version-check --upgrade pip
+fi
+
+# Build from a clean copy so root leaves no build/ or *.egg-info in the checkout.
+BUILD=$(mktemp -d)
+trap 'rm -rf "$BUILD"' EXIT
+tar -C "$SRC" --exclude=./.git --exclude=./.venv --exclude=./var --exclude=./build \
+    --exclude='*.egg-info' --exclude=__pycache__ -cf - . | tar -C "$BUILD" -xf -
+say "installing toko from $SRC into $VENV"
+# --force-reinstall of toko alone: same version number, new code on every run.
+"$VENV/bin/pip" install -q --disable-pip-version-check "$BUILD"
+"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$BUILD"
+install -m 0644 "$SRC/README.md" "$PREFIX/README.md"
+for cmd in toko-api toko-recap toko-backup; do
+    [ -x "$VENV/bin/$cmd" ] || say "warning: $VENV/bin/$cmd is missing from the package"
+done
+
+install -d -m 0755 "$UNIT_DIR"
+changed=""
+for unit in $UNITS; do
+    if ! cmp -s "$SRC/deploy/systemd/$unit" "$UNIT_DIR/$unit"; then
+        install -m 0644 "$SRC/deploy/systemd/$unit" "$UNIT_DIR/$unit"
+        changed="$changed $unit"
+    fi
+done
+say "units in $UNIT_DIR${changed:+, changed:$changed}"
+
+install -d -m 0750 -o root -g "$USER_NAME" "$CONF_DIR"
+if [ -e "$CONF_DIR/toko.env" ]; then
+    say "keeping $CONF_DIR/toko.env"
+else
+    say "writing $CONF_DIR/toko.env (edit it, then: systemctl restart toko-api)"
+    install -m 0640 -o root -g "$USER_NAME" "$SRC/deploy/toko.env.example" "$CONF_DIR/toko.env"
+fi
+
+if [ ! -d /run/systemd/system ]; then
+    say "systemd is not running here: units installed but not started"
+    exit 0
+fi
+systemctl daemon-reload
+systemctl enable --quiet toko-api.socket toko-api.service toko-recap.timer toko-backup.timer
+# A changed socket must be re-created to listen elsewhere; that alone drops the
+# connections waiting in its queue, so leave an unchanged one alone.
+case "$changed" in *toko-api.socket*)
+    if systemctl is-active --quiet toko-api.socket; then
+        say "restarting toko-api.socket (its unit changed)"
+        systemctl stop toko-api.service toko-api.socket
+    fi
+    ;;
+esac
+systemctl start toko-api.socket
+if systemctl is-active --quiet toko-api.service; then
+    say "restarting toko-api.service (the socket keeps accepting meanwhile)"
+    systemctl restart toko-api.service
+else
+    say "starting toko-api.service"
+    systemctl start toko-api.service
+fi
+# Restarting a timer recomputes its next run from a changed schedule.
+systemctl restart toko-recap.timer toko-backup.timer
+
+say "done. toko-api listens on: $(systemctl show -P Listen toko-api.socket)"
+say "check it with: systemctl status toko-api; systemctl list-timers 'toko-*'; journalctl -u toko-api"

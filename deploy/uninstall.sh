@@ -1,0 +1,61 @@
+#!/bin/sh
+# Remove what deploy/install.sh installed, except the data:
+#   sudo make uninstall
+# Stops and disables the units, removes them, the virtualenv in /opt/toko and
+# an unchanged /etc/toko/toko.env. Keeps /var/lib/toko (database and backups),
+# an edited toko.env, admin drop-ins in /etc/systemd/system/toko-*.d and the
+# system user toko that owns the data, so a later install picks them up again.
+set -eu
+
+PREFIX=/opt/toko
+UNIT_DIR=/usr/local/lib/systemd/system
+CONF_DIR=/etc/toko
+DATA_DIR=/var/lib/toko
+UNITS="toko-api.socket toko-api.service toko-recap.service toko-recap.timer toko-backup.service toko-backup.timer"
+
+say() { echo "toko uninstall: $*"; }
+
+[ "$(id -u)" -eq 0 ] || {
+    echo "toko uninstall: error: run as root: sudo make uninstall" >&2
+    exit 1
+}
+SRC=$(cd "$(dirname "$0")/.." && pwd)
+
+if [ -d /run/systemd/system ]; then
+    say "stopping and disabling the units"
+    # Timers first so no job starts meanwhile; the socket with the service, or
+    # a connection would start it again.
+    # shellcheck disable=SC2086 # one word a unit
+    systemctl disable --now --quiet $UNITS 2>/dev/null || true
+    # shellcheck disable=SC2086
+    systemctl reset-failed $UNITS 2>/dev/null || true
+fi
+
+removed=""
+for unit in $UNITS; do
+    if [ -e "$UNIT_DIR/$unit" ]; then
+        rm -f "$UNIT_DIR/$unit"
+        removed="$removed $unit"
+    fi
+done
+say "removed units:${removed:- none}"
+if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+
+if [ -d "$PREFIX" ]; then
+    say "removing $PREFIX"
+    rm -rf "$PREFIX"
+fi
+
+if [ -f "$CONF_DIR/toko.env" ] && [ -f "$SRC/deploy/toko.env.example" ] &&
+    ! cmp -s "$CONF_DIR/toko.env" "$SRC/deploy/toko.env.example"; then
+    say "keeping your edited $CONF_DIR/toko.env (remove it by hand if unwanted)"
+else
+    rm -f "$CONF_DIR/toko.env"
+    rmdir "$CONF_DIR" 2>/dev/null || true
+fi
+
+for d in /etc/systemd/system/toko-*.d; do
+    if [ -d "$d" ]; then say "keeping admin drop-ins in $d"; fi
+done
+say "done. The data is kept in $DATA_DIR (database, backups), owned by the system user toko."
+say "to delete it too: rm -rf $DATA_DIR && userdel toko"

@@ -1,0 +1,174 @@
+"""toko as installed by ``make install`` in a booted :class:`~tests.system.machine.Machine`.
+
+The helpers here speak to it the way an admin and a client would: HTTP from
+the host to the socket unit's port, ``systemctl``/``journalctl`` inside, and
+the SQLite database read as the ``toko`` user.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.system.machine import Machine, log, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+CHECKOUT = "/root/toko"  # where the admin's checkout lives inside the machine
+VENV_PYTHON = "/opt/toko/venv/bin/python"
+DATABASE = "/var/lib/toko/toko.db"
+INSTALLED_UNITS = (
+    "toko-api.socket",
+    "toko-api.service",
+    "toko-recap.service",
+    "toko-recap.timer",
+    "toko-backup.service",
+    "toko-backup.timer",
+)
+
+
+def checkout_files() -> list[str]:
+    """The checkout as git sees it: tracked plus untracked-but-not-ignored files.
+
+    Reads the working tree, so uncommitted work is what gets installed.
+    """
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout
+    return sorted({name.decode() for name in out.split(b"\0") if name})
+
+
+@dataclass
+class Response:
+    status: int
+    body: Any
+
+
+class Deployment:
+    """toko installed in ``machine``, its socket on the host's 127.0.0.1:``port``."""
+
+    def __init__(self, machine: Machine, port: int) -> None:
+        self.machine = machine
+        self.port = port
+
+    # -- set-up (before boot: files an admin could have put there)
+
+    def stage(self) -> None:
+        self.machine.copy_in(REPO, checkout_files(), CHECKOUT)
+        # A free port instead of 8080, so a toko or anything else running on
+        # the host cannot collide with the container (they share the network).
+        # This is also how an admin moves the socket (`systemctl edit`).
+        self.machine.write(
+            "/etc/systemd/system/toko-api.socket.d/test-port.conf",
+            f"[Socket]\nListenStream=\nListenStream=127.0.0.1:{self.port}\n",
+        )
+
+    def make(self, target: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        """``make <target>`` in the checkout, exactly as an admin types it."""
+        started = time.monotonic()
+        proc = self.machine.sh(f"cd {CHECKOUT} && make {target}", timeout=timeout)
+        log(f"make {target} took {time.monotonic() - started:.1f} s:\n{proc.stdout[-2000:]}")
+        return proc
+
+    # -- HTTP from the host
+
+    def request(self, method: str, path: str, body: Any = None, timeout: float = 30) -> Response:
+        """One request on a fresh connection (Connection: close)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            headers = {"Connection": "close"}
+            data = None
+            if body is not None:
+                data = json.dumps(body).encode()
+                headers["Content-Type"] = "application/json"
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+            return Response(resp.status, json.loads(raw) if raw else None)
+        finally:
+            conn.close()
+
+    def post_product(self, nama: str, harga: int = 1000) -> dict[str, Any]:
+        resp = self.request("POST", "/produk", {"nama": nama, "harga": harga})
+        assert resp.status == 201, resp
+        assert isinstance(resp.body, dict)
+        return resp.body
+
+    def healthz(self) -> Response:
+        return self.request("GET", "/healthz", timeout=10)
+
+    # -- systemd inside
+
+    def show(self, unit: str, prop: str) -> str:
+        return self.machine.run(["systemctl", "show", "-P", prop, unit]).stdout.strip()
+
+    def main_pid(self) -> int:
+        return int(self.show("toko-api.service", "MainPID"))
+
+    def n_restarts(self) -> int:
+        return int(self.show("toko-api.service", "NRestarts"))
+
+    def wait_serving(self, timeout: float = 60, old_pid: int | None = None) -> int:
+        """Wait until toko-api is active (with a main PID other than ``old_pid``) and healthy."""
+
+        def serving() -> int | None:
+            if self.show("toko-api.service", "ActiveState") != "active":
+                return None
+            pid = self.main_pid()
+            if pid == 0 or pid == old_pid:
+                return None
+            try:
+                ok = self.healthz().status == 200
+            except OSError:
+                return None
+            return pid if ok else None
+
+        return wait_until(serving, timeout, "toko-api to be active and healthy")
+
+    def ensure_running(self) -> None:
+        """Start toko-api if an earlier test left it stopped or failed."""
+        if self.show("toko-api.service", "ActiveState") != "active":
+            self.machine.run(["systemctl", "reset-failed", "toko-api.service"], check=False)
+            self.machine.run(["systemctl", "start", "toko-api.socket", "toko-api.service"])
+        self.wait_serving()
+
+    def cursor(self) -> str:
+        """The journal's current end, to read only what comes after it."""
+        out = self.machine.run(["journalctl", "-n", "1", "-o", "json", "--no-pager"]).stdout
+        return str(json.loads(out.splitlines()[-1])["__CURSOR"])
+
+    def journal(self, unit: str, after: str | None = None) -> list[dict[str, Any]]:
+        """The unit's journal entries (as journalctl -o json), optionally after a cursor."""
+        argv = ["journalctl", "-u", unit, "-o", "json", "--no-pager"]
+        if after:
+            argv.append(f"--after-cursor={after}")
+        out = self.machine.run(argv).stdout
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+    def messages(self, unit: str, after: str | None = None) -> list[str]:
+        return [str(e.get("MESSAGE", "")) for e in self.journal(unit, after)]
+
+    # -- the database, read as toko (the WAL's -shm must stay toko's)
+
+    def sql(self, query: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        return self.sql_at(DATABASE, query, params)
+
+    def sql_at(self, path: str, query: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        script = (
+            "import json, sqlite3, sys\n"
+            "q = json.load(sys.stdin)\n"
+            "con = sqlite3.connect(q['path'], timeout=30)\n"
+            "print(json.dumps(con.execute(q['query'], q['params']).fetchall()))\n"
+        )
+        proc = self.machine.run(
+            ["runuser", "-u", "toko", "--", VENV_PYTHON, "-c", script],
+            input=json.dumps({"path": path, "query": query, "params": list(params)}),
+        )
+        return [tuple(row) for row in json.loads(proc.stdout)]

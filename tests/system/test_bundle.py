@@ -1,0 +1,270 @@
+"""The deployment bundle on a real systemd: Debian booted in systemd-nspawn, `make install`.
+
+The tests share one machine per suite and run in file order; each starts from
+a running toko-api (the ``toko`` fixture restarts it if a test left it down),
+and the ones that change the configuration put it back.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.support.smtp import SmtpServer
+from tests.system.deployment import INSTALLED_UNITS, Deployment
+from tests.system.machine import wait_until
+
+# A cold run debootstraps and installs inside the first test's time.
+pytestmark = [pytest.mark.system, pytest.mark.timeout(900)]
+
+UNIT_DIR = "/usr/local/lib/systemd/system"
+
+
+def test_api_active_and_serves_from_host(toko: Deployment) -> None:
+    assert toko.machine.run(["systemctl", "is-active", "toko-api"]).stdout.strip() == "active"
+    cursor = toko.cursor()
+    product = toko.post_product("Kopi Toraja", 45000)
+    assert product["nama"] == "Kopi Toraja" and product["harga"] == 45000
+    got = toko.request("GET", f"/produk/{product['id']}")
+    assert got.status == 200 and got.body["id"] == product["id"]
+
+    # Zero configuration: the email goes to the log mailer, i.e. the journal.
+    def logged() -> list[dict[str, Any]]:
+        return [
+            e
+            for e in toko.journal("toko-api", cursor)
+            if e.get("MESSAGE") == "email logged" and "Kopi Toraja" in str(e.get("SUBJECT", ""))
+        ]
+
+    entries = wait_until(logged, 30, "an 'email logged' journal entry for the product")
+    assert entries[0].get("TO") == "admin@toko.com"
+
+
+def test_socket_from_unit_and_drop_in(toko: Deployment) -> None:
+    # The shipped default, and the admin's drop-in (this test's port) winning.
+    unit = toko.machine.run(["cat", f"{UNIT_DIR}/toko-api.socket"]).stdout
+    assert "ListenStream=127.0.0.1:8080" in unit
+    assert toko.show("toko-api.socket", "Listen") == f"127.0.0.1:{toko.port} (Stream)"
+    assert toko.show("toko-api.socket", "ActiveState") == "active"
+    enabled = ("toko-api.socket", "toko-api.service", "toko-recap.timer", "toko-backup.timer")
+    for unit_name in enabled:
+        assert toko.show(unit_name, "UnitFileState") == "enabled", unit_name
+
+
+def test_timers_listed_with_next_run(toko: Deployment) -> None:
+    listing = toko.machine.run(["systemctl", "list-timers", "--all", "--no-pager"]).stdout
+    for timer in ("toko-recap.timer", "toko-backup.timer"):
+        line = next((ln for ln in listing.splitlines() if timer in ln), None)
+        assert line is not None, listing
+        # NEXT is the first column; an unscheduled timer shows "-" or "n/a" there.
+        assert not line.startswith(("-", "n/a")), line
+        assert toko.show(timer, "NextElapseUSecRealtime") not in ("", "0", "n/a")
+        assert toko.show(timer, "ActiveState") == "active"
+
+
+def test_journal_has_identifier_and_job_fields(toko: Deployment) -> None:
+    toko.post_product("Teh Melati", 12000)
+
+    def with_job_id() -> list[dict[str, Any]]:
+        return [
+            e
+            for e in toko.journal("toko-api")
+            if e.get("SYSLOG_IDENTIFIER") == "toko-api" and e.get("JOB_ID")
+        ]
+
+    entries = wait_until(with_job_id, 30, "a toko-api journal entry with JOB_ID")
+    assert all(re.fullmatch(r"\d+", str(e["JOB_ID"])) for e in entries)
+
+
+def test_units_verify_clean_and_exposure(toko: Deployment) -> None:
+    paths = [f"{UNIT_DIR}/{u}" for u in INSTALLED_UNITS]
+    proc = toko.machine.run(["systemd-analyze", "verify", *paths], check=False)
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == "", proc
+    for unit in ("toko-api.service", "toko-recap.service", "toko-backup.service"):
+        for offline in ([], ["--offline=true", f"{UNIT_DIR}/{unit}"]):
+            argv = ["systemd-analyze", "security", "--no-pager", *(offline or [unit])]
+            out = toko.machine.run(argv, check=False).stdout
+            match = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out)
+            assert match, out
+            assert float(match.group(1)) <= 2.0, out
+
+
+def test_backup_by_hand_is_verified(toko: Deployment) -> None:
+    toko.post_product("Gula Aren", 30000)
+    cursor = toko.cursor()
+    toko.machine.run(["systemctl", "start", "toko-backup.service"], timeout=300)
+    assert toko.show("toko-backup.service", "Result") == "success"
+    entries = toko.journal("toko-backup", cursor)
+    written = [e for e in entries if e.get("MESSAGE") == "backup written"]
+    assert written, toko.messages("toko-backup", cursor)
+    path = str(written[-1]["PATH"])
+    assert re.fullmatch(r"/var/lib/toko/backups/toko-\d{8}T\d{6}Z\.db", path), path
+    stat = toko.machine.run(["stat", "-c", "%a %U", path]).stdout.split()
+    assert stat == ["600", "toko"]
+    assert toko.sql_at(path, "PRAGMA integrity_check") == [("ok",)]
+    assert toko.sql_at(path, "SELECT count(*) FROM products WHERE nama = 'Gula Aren'") == [(1,)]
+
+
+def test_restore_refused_while_api_runs(toko: Deployment) -> None:
+    backups = toko.machine.sh("ls /var/lib/toko/backups/toko-*.db").stdout.split()
+    assert backups
+    # As an admin would run it: as toko, with the service's configuration.
+    proc = toko.machine.sh(
+        "set -a; . /etc/toko/toko.env; set +a; cd /var/lib/toko && "
+        f"STATE_DIRECTORY=/var/lib/toko runuser -u toko -- /opt/toko/venv/bin/toko-backup "
+        f"--restore {backups[-1]}",
+        check=False,
+    )
+    assert proc.returncode != 0, proc
+    assert len(proc.stderr.strip().splitlines()) == 1, proc
+    assert toko.show("toko-api.service", "ActiveState") == "active"
+
+
+def test_recap_twice_records_once(toko: Deployment) -> None:
+    # The default period is yesterday in the machine's time zone.
+    yesterday = toko.machine.run(["date", "-d", "yesterday", "+%F"]).stdout.strip()
+    cursor = toko.cursor()
+    for _ in range(2):
+        toko.machine.run(["systemctl", "start", "toko-recap.service"], timeout=300)
+        assert toko.show("toko-recap.service", "Result") == "success"
+    assert toko.sql("SELECT period FROM recaps") == [(yesterday,)]
+    assert toko.sql("SELECT count(*) FROM jobs WHERE kind = 'recap_email'") == [(1,)]
+    messages = toko.messages("toko-recap", cursor)
+    assert any("recap already recorded" in m for m in messages), messages
+
+
+def test_watchdog_restarts_a_stopped_process(toko: Deployment) -> None:
+    pid, restarts = toko.main_pid(), toko.n_restarts()
+    toko.machine.run(["kill", "-STOP", str(pid)])
+    # WatchdogSec=15s, then SIGABRT and the restart.
+    wait_until(lambda: toko.n_restarts() > restarts, 60, "a watchdog restart (NRestarts)")
+    toko.wait_serving(old_pid=pid)
+    assert toko.post_product("Setelah watchdog")["id"] > 0
+    messages = toko.messages("toko-api")
+    assert any("Watchdog timeout" in m for m in messages)
+
+
+def test_restart_under_load_refuses_nothing(toko: Deployment) -> None:
+    created: list[int] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    progress = threading.Condition()
+
+    def client() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            try:
+                created.append(toko.post_product(f"Beban {n}")["id"])
+            except BaseException as exc:  # record and keep going: count every failure
+                errors.append(exc)
+            with progress:
+                progress.notify_all()
+
+    def wait_created(count: int) -> None:
+        with progress:
+            ok = progress.wait_for(lambda: len(created) >= count or len(errors) > 20, 60)
+        assert ok, f"only {len(created)} products created"
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_created(40)
+        pid = toko.main_pid()
+        before = len(created)
+        toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
+        toko.wait_serving(old_pid=pid)
+        wait_created(len(created) + 40)
+        assert len(created) > before
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert errors == [], errors[:5]
+    stored = {row[0] for row in toko.sql("SELECT id FROM products")}
+    assert set(created) <= stored
+
+
+def test_kill9_with_jobs_pending_completes_every_email(
+    toko: Deployment, smtp_server: SmtpServer
+) -> None:
+    env = "/etc/toko/toko.env"
+    original = toko.machine.run(["cat", env]).stdout
+    # An admin points toko at a mail server: a slow one, so jobs are in flight.
+    smtp_server.reset()
+    smtp_server.set_delay(60)
+    toko.machine.sh(f"echo 'TOKO_SMTP_URL={smtp_server.url}' >> {env}")
+    try:
+        toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
+        toko.wait_serving()
+        ids = [toko.post_product(f"Tertunda {i}")["id"] for i in range(20)]
+        smtp_server.arrivals.wait_for(lambda items: len(items) >= 1, 60, "a send in flight")
+        pending = toko.sql(
+            "SELECT count(*) FROM jobs WHERE kind = 'product_email' AND state != 'done'"
+        )[0][0]
+        assert pending >= 10, pending
+        pid, restarts = toko.main_pid(), toko.n_restarts()
+        smtp_server.set_delay(0)  # the mail server recovers while toko-api is down
+        toko.machine.run(["kill", "-9", str(pid)])
+        wait_until(lambda: toko.n_restarts() > restarts, 60, "the restart after kill -9")
+        toko.wait_serving(old_pid=pid)
+
+        def all_done() -> bool:
+            rows = toko.sql(
+                "SELECT count(*) FROM jobs WHERE kind = 'product_email' AND state != 'done'"
+            )
+            return rows[0][0] == 0
+
+        wait_until(all_done, 240, "every product_email job to be done", step=1)
+        assert len(smtp_server.delivered_ids()) >= len(ids)
+    finally:
+        toko.machine.run(["sh", "-c", f"cat > {env}"], input=original)
+        toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
+
+
+def test_reinstall_upgrades_in_place_and_keeps_data(toko: Deployment) -> None:
+    products = toko.sql("SELECT count(*) FROM products")[0][0]
+    toko.machine.sh("echo '# kept by the upgrade' >> /etc/toko/toko.env")
+    pid = toko.main_pid()
+    toko.make("install")
+    toko.wait_serving(old_pid=pid)
+    assert toko.sql("SELECT count(*) FROM products")[0][0] == products
+    assert "# kept by the upgrade" in toko.machine.run(["cat", "/etc/toko/toko.env"]).stdout
+    mode = toko.machine.run(["stat", "-c", "%a %U %G", "/etc/toko/toko.env"]).stdout.split()
+    assert mode == ["640", "root", "toko"]
+    assert toko.post_product("Setelah upgrade")["id"] > 0
+
+
+def test_stop_drains_and_succeeds(toko: Deployment) -> None:
+    toko.post_product("Sebelum berhenti")
+    cursor = toko.cursor()
+    started = time.monotonic()
+    toko.machine.run(["systemctl", "stop", "toko-api.service"], timeout=120)
+    assert time.monotonic() - started < 30
+    assert toko.show("toko-api.service", "Result") == "success"
+    assert toko.show("toko-api.service", "ExecMainStatus") == "0"
+    messages = toko.messages("toko-api", cursor)
+    assert any(m.startswith("draining") for m in messages), messages
+    assert any(m.startswith("stopped") for m in messages), messages
+
+
+def test_uninstall_keeps_the_data(toko: Deployment) -> None:
+    products = toko.sql("SELECT count(*) FROM products")[0][0]
+    out = toko.make("uninstall").stdout
+    assert "/var/lib/toko" in out
+    left = toko.machine.sh(
+        f"ls {UNIT_DIR}/toko-* /opt/toko 2>/dev/null; systemctl list-units --all 'toko-*' "
+        "--no-legend --plain",
+        check=False,
+    ).stdout
+    assert left.strip() == "", left
+    assert toko.machine.run(["test", "-f", "/var/lib/toko/toko.db"], check=False).returncode == 0
+    # A later install finds the data again.
+    toko.make("install")
+    toko.wait_serving()
+    assert toko.sql("SELECT count(*) FROM products")[0][0] == products
