@@ -153,8 +153,10 @@ async def test_notify_records_parses_and_runs_hooks_first() -> None:
         send(listener.path, "STOPPING=1")
         assert listener.wait_for_field("STOPPING", timeout=5).get("STOPPING") == "1"
         assert listener.times("READY") == [ready.at]
+        listener.flush()
+        assert listener.first("X_TEST_FLUSH", "1") is not None
     # The hook ran before each datagram became visible to waiters.
-    assert seen_in_log_at_hook == [0, 1, 2, 3, 4]
+    assert seen_in_log_at_hook == [0, 1, 2, 3, 4, 5]
     assert _gone(listener.path)
 
 

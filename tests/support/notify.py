@@ -59,6 +59,7 @@ class NotifyListener:
         self._sock: socket.socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread: threading.Thread | None = None
+        self._flushes = 0
 
     def start(self) -> NotifyListener:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -111,6 +112,18 @@ class NotifyListener:
                 except Exception as exc:  # surfaced by tests via hook_errors
                     self.hook_errors.append(exc)
             self.log.append(note)
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Return once every datagram sent before this call has been recorded.
+
+        Sends a sentinel to our own socket and waits for it: a datagram socket
+        delivers in order, so anything the service sent earlier is in the log.
+        Use it before asserting that something was *not* sent.
+        """
+        self._flushes += 1
+        token = f"X_TEST_FLUSH={self._flushes}"
+        send(self.path, token)
+        self.log.wait_for(lambda xs: any(n.raw == token for n in xs), timeout, token)
 
     # -- queries -----------------------------------------------------------
 

@@ -1,0 +1,169 @@
+"""Bad input: malformed requests get the right 4xx with a JSON error, and nothing else.
+
+One toko-api process serves the whole table (module-scoped). Requests are sent
+as raw bytes (tests.support.http) so no client library can "fix" them. After
+every case: no product row exists in the SQLite file and /healthz is 200.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.support import db, http
+from tests.support.service import ServiceProcess
+
+JSON = {"Content-Type": "application/json"}
+LIMIT = 64 * 1024
+
+
+def _body(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    status: int
+    body: bytes | None = None
+    method: str = "POST"
+    path: str = "/produk"
+    headers: dict[str, str] = field(default_factory=lambda: dict(JSON))
+    chunked: bool = False
+
+
+CASES = [
+    # Not JSON at all, or not the JSON we take.
+    Case("truncated-json", 400, b'{"nama": "Kopi", "harga": 1'),
+    Case("empty-body", 400, b""),
+    Case("trailing-garbage", 400, b'{"nama": "Kopi", "harga": 1} x'),
+    Case("nan-harga", 400, b'{"nama": "Kopi", "harga": NaN}'),
+    Case("infinity-harga", 400, b'{"nama": "Kopi", "harga": Infinity}'),
+    Case("deeply-nested", 400, b"[" * 30000 + b"]" * 30000),
+    Case("5000-digit-harga", 400, b'{"nama": "Kopi", "harga": ' + b"9" * 5000 + b"}"),
+    Case("invalid-utf8", 400, b'{"nama": "Kop\xff\xfe", "harga": 1}'),
+    Case("lone-surrogate", 400, b'{"nama": "\\ud800", "harga": 1}'),
+    Case("array-body", 400, _body([{"nama": "Kopi", "harga": 1}])),
+    Case("null-body", 400, b"null"),
+    Case("string-body", 400, b'"Kopi"'),
+    Case("number-body", 400, b"42"),
+    # harga.
+    Case("harga-string", 400, _body({"nama": "Kopi", "harga": "100"})),
+    Case("harga-true", 400, _body({"nama": "Kopi", "harga": True})),
+    Case("harga-false", 400, _body({"nama": "Kopi", "harga": False})),
+    Case("harga-float", 400, _body({"nama": "Kopi", "harga": 1.5})),
+    Case("harga-integral-float", 400, b'{"nama": "Kopi", "harga": 100.0}'),
+    Case("harga-exponent", 400, b'{"nama": "Kopi", "harga": 1e3}'),
+    Case("harga-negative", 400, _body({"nama": "Kopi", "harga": -1})),
+    Case("harga-too-big", 400, _body({"nama": "Kopi", "harga": 10**12 + 1})),
+    Case("harga-null", 400, _body({"nama": "Kopi", "harga": None})),
+    Case("harga-object", 400, _body({"nama": "Kopi", "harga": {"v": 1}})),
+    # nama.
+    Case("nama-number", 400, _body({"nama": 123, "harga": 1})),
+    Case("nama-null", 400, _body({"nama": None, "harga": 1})),
+    Case("nama-list", 400, _body({"nama": ["Kopi"], "harga": 1})),
+    Case("nama-empty", 400, _body({"nama": "", "harga": 1})),
+    Case("nama-whitespace", 400, _body({"nama": " \t\n  ", "harga": 1})),
+    Case("nama-201-chars", 400, _body({"nama": "x" * 201, "harga": 1})),
+    Case("nama-10k-chars", 400, _body({"nama": "x" * 10_000, "harga": 1})),
+    # Fields.
+    Case("missing-nama", 400, _body({"harga": 1})),
+    Case("missing-harga", 400, _body({"nama": "Kopi"})),
+    Case("empty-object", 400, b"{}"),
+    Case("unknown-field", 400, _body({"nama": "Kopi", "harga": 1, "stok": 3})),
+    Case("id-field", 400, _body({"id": 7, "nama": "Kopi", "harga": 1})),
+    # Content-Type.
+    Case(
+        "text-plain",
+        415,
+        _body({"nama": "Kopi", "harga": 1}),
+        headers={"Content-Type": "text/plain"},
+    ),
+    Case("no-content-type", 415, _body({"nama": "Kopi", "harga": 1}), headers={}),
+    Case(
+        "form-urlencoded",
+        415,
+        b"nama=Kopi&harga=1",
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    ),
+    # Size.
+    Case("over-64k", 413, _body({"nama": "x" * LIMIT, "harga": 1})),
+    Case("over-64k-chunked", 413, _body({"nama": "x" * LIMIT, "harga": 1}), chunked=True),
+    # Routing.
+    Case("put-collection", 405, _body({"nama": "Kopi", "harga": 1}), method="PUT"),
+    Case("delete-item", 405, None, method="DELETE", path="/produk/1"),
+    Case("post-item", 405, _body({"nama": "Kopi", "harga": 1}), path="/produk/1"),
+    Case("unknown-path", 404, None, method="GET", path="/barang"),
+    Case("non-numeric-id", 404, None, method="GET", path="/produk/abc"),
+    Case("missing-id", 404, None, method="GET", path="/produk/999999"),
+    Case("negative-id", 404, None, method="GET", path="/produk/-1"),
+    # Pagination.
+    Case("limit-zero", 400, None, method="GET", path="/produk?limit=0"),
+    Case("limit-too-big", 400, None, method="GET", path="/produk?limit=201"),
+    Case("limit-text", 400, None, method="GET", path="/produk?limit=abc"),
+    Case("limit-float", 400, None, method="GET", path="/produk?limit=1.5"),
+    Case("after-text", 400, None, method="GET", path="/produk?after=abc"),
+    Case("after-negative", 400, None, method="GET", path="/produk?after=-5"),
+]
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    svc = ServiceProcess(tmp_path_factory.mktemp("bad-input"))
+    try:
+        svc.start()
+        svc.wait_ready(timeout=20)
+        yield svc
+    finally:
+        svc.close()
+        print(svc.output_tail(80))
+
+
+def test_table_is_big_enough() -> None:
+    assert len(CASES) >= 20
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+async def test_bad_request(api: ServiceProcess, case: Case) -> None:
+    before = db.product_count(api.database)
+    resp = await http.request(
+        api.port,
+        case.method,
+        case.path,
+        body=case.body,
+        headers=case.headers,
+        chunked=case.chunked,
+    )
+    assert resp.status == case.status, resp
+    assert resp.headers.get("content-type", "").startswith("application/json"), resp
+    payload = resp.json()
+    assert isinstance(payload, dict), payload
+    assert isinstance(payload.get("error"), str), payload
+    assert payload["error"].strip(), payload
+    assert db.product_count(api.database) == before == 0
+    health = await http.request(api.port, "GET", "/healthz", headers={})
+    assert health.status == 200, health
+    assert api.returncode is None
+
+
+async def test_afterwards_nothing_was_created_and_service_is_healthy(api: ServiceProcess) -> None:
+    listing = await http.request(api.port, "GET", "/produk", headers={})
+    assert listing.status == 200, listing
+    assert listing.json() == []
+    assert db.product_count(api.database) == 0
+    assert db.job_states(api.database) == {}
+    health = await http.request(api.port, "GET", "/healthz", headers={})
+    assert health.status == 200, health
+    assert health.json()["status"] == "ok"
+    server_errors = [r for r in api.logs.snapshot() if r.get("level") in ("ERROR", "CRITICAL")]
+    assert server_errors == [], server_errors
+    # The same service still takes a good request: the 4xx were not a broken route.
+    ok = await http.request(
+        api.port, "POST", "/produk", body=_body({"nama": "Kopi", "harga": 1}), headers=JSON
+    )
+    assert ok.status == 201, ok
+    assert db.product_count(api.database) == 1

@@ -1,0 +1,247 @@
+"""toko-api's life as systemd sees it: READY, WATCHDOG, STOPPING, exit codes.
+
+Each test runs the real ``toko-api`` console script with NOTIFY_SOCKET bound to
+a real AF_UNIX datagram socket (tests.support.notify).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from itertools import pairwise
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from service import __version__
+from tests.conftest import ServiceFactory
+from tests.support import db
+from tests.support.api import create_product, create_products, healthz, wait_healthy
+from tests.support.notify import Notification
+from tests.support.service import TOKO_API
+from tests.support.smtp import SmtpServer
+
+STATUS_RE = re.compile(r"pending=\d+ running=\d+ failed=\d+ workers=\d+/\d+")
+
+
+def _watchdogs_after(notes: list[Notification], since: float) -> list[float]:
+    return [n.at for n in notes if "WATCHDOG" in n.fields and n.at >= since]
+
+
+async def test_ready_only_when_port_accepts(service_factory: ServiceFactory) -> None:
+    svc = service_factory({"TOKO_WORKERS": "3"}).start()
+    ready = await svc.async_wait_ready(timeout=20)
+    assert svc.notify is not None
+    # Checked in the notify thread the moment READY=1 arrived, before anyone woke.
+    assert svc.port_accepting_at_ready is True
+    assert svc.notify.hook_errors == []
+    # READY=1 is followed by STATUS= with the queue figures.
+    status = await svc.notify.async_wait_for_field("STATUS", timeout=10, since=ready.at)
+    assert STATUS_RE.search(status.fields["STATUS"]), status
+    await svc.async_wait_log("ready", timeout=5)
+    async with aiohttp.ClientSession() as session:
+        code, body = await healthz(session, svc.base_url)
+    assert code == 200, body
+    assert body["status"] == "ok"
+    assert body["workers"] == {"alive": 3, "configured": 3}
+    assert {"pending", "running", "failed", "done"} <= set(body["queue"])
+    svc.notify.flush()
+    notes = svc.notify.messages()
+    assert not any("MAINPID" in n.fields for n in notes), notes
+    assert [n for n in notes if n.get("READY") == "1"] == [ready], "READY=1 sent more than once"
+    assert svc.notify.count("WATCHDOG") == 0, "WATCHDOG=1 without WATCHDOG_USEC"
+    # Outside journald every stdout line is one JSON object with the contract's keys.
+    records = svc.logs.snapshot()
+    assert records
+    for record in records:
+        assert "_raw" not in record, f"stdout line is not JSON: {record['_raw']!r}"
+        assert {"ts", "level", "logger", "message"} <= set(record), record
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z", records[0]["ts"]), records[0]
+
+
+async def test_watchdog_cadence(service_factory: ServiceFactory) -> None:
+    usec = 400_000  # pings expected every 200 ms
+    svc = service_factory(watchdog_usec=usec).start()
+    ready = await svc.async_wait_ready(timeout=20)
+    assert svc.notify is not None
+    pings = 15
+    notes = await svc.notify.log.async_wait_for(
+        lambda xs: list(xs) if len(_watchdogs_after(list(xs), ready.at)) >= pings else None,
+        timeout=15,
+        what=f"{pings} WATCHDOG=1 after READY",
+    )
+    times = _watchdogs_after(notes, ready.at)[:pings]
+    span = times[-1] - times[0]
+    gaps = [b - a for a, b in pairwise(times)]
+    # 14 intervals of ~0.2 s = 2.8 s; generous bounds against a busy machine.
+    assert 1.4 <= span <= 6.0, f"{pings} pings spanned {span:.2f}s; gaps {gaps}"
+    # systemd kills the service when a gap exceeds WATCHDOG_USEC.
+    assert max(gaps) < usec / 1e6, f"a gap of {max(gaps):.3f}s exceeds WATCHDOG_USEC; {gaps}"
+    assert times[0] - ready.at < usec / 1e6, "first WATCHDOG=1 came too long after READY"
+
+
+async def test_sigterm_stops_with_drain_and_exit_0(
+    service_factory: ServiceFactory, smtp: SmtpServer
+) -> None:
+    smtp.set_delay(2.0)
+    svc = service_factory(
+        {"TOKO_SMTP_URL": smtp.url, "TOKO_WORKERS": "1", "TOKO_DRAIN_TIMEOUT": "10"}
+    ).start()
+    await svc.async_wait_ready(timeout=20)
+    assert svc.notify is not None
+    async with aiohttp.ClientSession() as session:
+        products = await create_products(session, svc.base_url, ["Satu", "Dua", "Tiga"])
+    # One worker: one email in flight at the SMTP server, two jobs queued.
+    arrived = await smtp.arrivals.async_wait_for(lambda xs: xs, timeout=10, what="an email")
+    term_at = time.monotonic()
+    svc.terminate()
+    stopping = await svc.notify.async_wait_for_field("STOPPING", "1", timeout=5, since=term_at)
+    assert stopping.at - term_at < 1.0, "STOPPING=1 was not sent promptly"
+    extend = await svc.notify.async_wait_for_field(
+        "EXTEND_TIMEOUT_USEC", timeout=5, since=stopping.at
+    )
+    assert int(extend.fields["EXTEND_TIMEOUT_USEC"]) > 0
+    assert await svc.async_wait_exit(timeout=20) == 0
+    # The in-flight email was allowed to finish before the exit ...
+    (delivered,) = smtp.delivered()
+    assert delivered.message_id == arrived[0].message_id
+    assert delivered.at > term_at
+    # ... no new job was started, and the queued ones stay queued for the next start.
+    assert len(smtp.arrivals) == 1
+    assert db.job_states(svc.database) == {"done": 1, "pending": 2}
+    assert db.product_count(svc.database) == len(products)
+    assert svc.find_logs("stopped"), svc.output_tail()
+    svc.notify.flush()
+    assert svc.notify.count("WATCHDOG") == 0
+
+
+async def test_blocked_event_loop_stops_watchdog(service_factory: ServiceFactory) -> None:
+    usec = 400_000
+    block = 1.5
+    svc = service_factory(
+        {"TOKO_FAULT_INJECTION": "1", "TOKO_FAULT_BLOCK_SECONDS": str(block)},
+        watchdog_usec=usec,
+    ).start()
+    ready = await svc.async_wait_ready(timeout=20)
+    assert svc.notify is not None
+    notify = svc.notify
+    await notify.log.async_wait_for(
+        lambda xs: len(_watchdogs_after(list(xs), ready.at)) >= 3, timeout=10, what="3 pings"
+    )
+    blocked_at = time.monotonic()
+    svc.send_signal(signal.SIGUSR2)
+    # The next ping later than the signal's handling margin must wait for the block.
+    resumed = await notify.async_wait_for_field(
+        "WATCHDOG", timeout=block + 10, since=blocked_at + 0.3
+    )
+    assert resumed.at - blocked_at >= block - 0.3, (
+        f"WATCHDOG=1 {resumed.at - blocked_at:.2f}s after SIGUSR2 while the loop "
+        f"should be blocked for {block}s"
+    )
+    # And it recovers: regular pings again.
+    notes = await notify.log.async_wait_for(
+        lambda xs: list(xs) if len(_watchdogs_after(list(xs), resumed.at)) >= 4 else None,
+        timeout=5,
+        what="pings after the block",
+    )
+    after = _watchdogs_after(notes, resumed.at)[:4]
+    assert max(b - a for a, b in pairwise(after)) < usec / 1e6
+    async with aiohttp.ClientSession() as session:
+        code, body = await healthz(session, svc.base_url)
+    assert code == 200, body
+
+
+async def test_killed_worker_is_logged_and_replaced(
+    service_factory: ServiceFactory, smtp: SmtpServer
+) -> None:
+    svc = service_factory(
+        {"TOKO_FAULT_INJECTION": "1", "TOKO_SMTP_URL": smtp.url, "TOKO_WORKERS": "2"},
+        watchdog_usec=1_000_000,
+    ).start()
+    await svc.async_wait_ready(timeout=20)
+    assert svc.notify is not None
+    svc.send_signal(signal.SIGUSR1)
+    died = await svc.async_wait_log("worker died", timeout=10)
+    replaced = await svc.async_wait_log("worker replaced", timeout=10)
+    assert died.get("WORKER") and replaced.get("WORKER"), (died, replaced)
+    async with aiohttp.ClientSession() as session:
+        body = await wait_healthy(
+            session,
+            svc.base_url,
+            timeout=10,
+            check=lambda b: b["workers"] == {"alive": 2, "configured": 2},
+        )
+        assert body["status"] == "ok"
+        # The pool still works ...
+        product = await create_product(session, svc.base_url, "Setelah", 5)
+    (mid,) = await smtp.async_wait_delivered(1, timeout=15)
+    assert f"Produk baru: {product['nama']}" in smtp.delivered()[0].subject
+    # ... and the watchdog keeps going.
+    replaced_seen = time.monotonic()
+    await svc.notify.log.async_wait_for(
+        lambda xs: len(_watchdogs_after(list(xs), replaced_seen)) >= 2, timeout=5, what="pings"
+    )
+    assert mid
+
+
+BAD_CONFIG = [
+    ("TOKO_WORKERS", "abc"),
+    ("TOKO_WORKERS", "0"),
+    ("TOKO_LISTEN", "nonsense"),
+    ("TOKO_LISTEN", "127.0.0.1:99999"),
+    ("TOKO_JOB_BACKOFF", "-1"),
+    ("TOKO_JOB_MAX_ATTEMPTS", "many"),
+    ("TOKO_DRAIN_TIMEOUT", "soon"),
+    ("TOKO_SMTP_URL", "http://127.0.0.1:25"),
+]
+
+
+@pytest.mark.parametrize(("variable", "value"), BAD_CONFIG)
+async def test_bad_configuration_exits_2_naming_the_variable(
+    service_factory: ServiceFactory, variable: str, value: str
+) -> None:
+    svc = service_factory({variable: value}).start()
+    assert await svc.async_wait_exit(timeout=15) == 2, svc.output_tail()
+    lines = svc.stderr.snapshot()
+    assert len(lines) == 1, f"expected one line on stderr, got {lines}"
+    assert variable in lines[0], lines[0]
+    assert svc.notify is not None
+    svc.notify.flush()
+    assert svc.notify.first("READY") is None
+
+
+def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*args],
+        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_version_and_help() -> None:
+    version = _run_cli(str(TOKO_API), "--version")
+    assert version.returncode == 0, version
+    assert __version__ in version.stdout + version.stderr
+    as_module = _run_cli(sys.executable, "-m", "service", "--version")
+    assert as_module.returncode == 0, as_module
+    assert __version__ in as_module.stdout + as_module.stderr
+    usage = _run_cli(str(TOKO_API), "--help")
+    assert usage.returncode == 0, usage
+    assert "usage" in usage.stdout.lower()
+    assert "TOKO_WORKERS" in usage.stdout
+
+
+def test_check_config(tmp_path: Path) -> None:
+    env = {"TOKO_DATABASE": str(tmp_path / "x.db")}
+    good = _run_cli(str(TOKO_API), "--check-config", env=env)
+    assert good.returncode == 0, good
+    bad = _run_cli(str(TOKO_API), "--check-config", env={**env, "TOKO_WORKERS": "abc"})
+    assert bad.returncode == 2, bad
+    assert "TOKO_WORKERS" in bad.stderr
