@@ -39,11 +39,11 @@ async def test_temporary_failures_are_retried_until_delivered(
 async def test_temporary_outage_for_a_while_loses_nothing(
     service_factory: ServiceFactory, smtp: SmtpServer
 ) -> None:
-    smtp.fail_for(1.0)
     svc = service_factory(
         {"TOKO_SMTP_URL": smtp.url, "TOKO_JOB_BACKOFF": "0.05", "TOKO_JOB_MAX_ATTEMPTS": "20"}
     ).start()
     await svc.async_wait_ready(timeout=20)
+    smtp.fail_for(1.0)  # from now: first attempts happen within it
     async with aiohttp.ClientSession() as session:
         await create_products(session, svc.base_url, [f"Outage {i}" for i in range(6)])
     ids = await smtp.async_wait_delivered(6, timeout=30)

@@ -110,6 +110,7 @@ async def test_sigterm_stops_with_drain_and_exit_0(
     (delivered,) = smtp.delivered()
     assert delivered.message_id == arrived[0].message_id
     assert delivered.at > term_at
+    assert extend.at < delivered.at, "EXTEND_TIMEOUT_USEC should come while the email is in flight"
     # ... no new job was started, and the queued ones stay queued for the next start.
     assert len(smtp.arrivals) == 1
     assert db.job_states(svc.database) == {"done": 1, "pending": 2}
@@ -117,6 +118,41 @@ async def test_sigterm_stops_with_drain_and_exit_0(
     assert svc.find_logs("stopped"), svc.output_tail()
     svc.notify.flush()
     assert svc.notify.count("WATCHDOG") == 0
+
+
+async def test_sigint_stops_cleanly(service_factory: ServiceFactory) -> None:
+    svc = service_factory().start()
+    await svc.async_wait_ready(timeout=20)
+    assert svc.notify is not None
+    svc.send_signal(signal.SIGINT)
+    await svc.notify.async_wait_for_field("STOPPING", "1", timeout=5)
+    assert await svc.async_wait_exit(timeout=15) == 0
+    assert svc.stderr.snapshot() == [], "a clean stop prints nothing on stderr (no traceback)"
+
+
+async def test_drain_timeout_leaves_the_job_for_the_next_start(
+    service_factory: ServiceFactory, smtp: SmtpServer
+) -> None:
+    smtp.set_delay(6.0)  # longer than the drain timeout
+    env = {"TOKO_SMTP_URL": smtp.url, "TOKO_DRAIN_TIMEOUT": "1", "TOKO_JOB_BACKOFF": "0.05"}
+    svc = service_factory(env).start()
+    await svc.async_wait_ready(timeout=20)
+    async with aiohttp.ClientSession() as session:
+        (product,) = await create_products(session, svc.base_url, ["Lambat"])
+    await smtp.arrivals.async_wait_for(lambda xs: xs, timeout=10, what="the email in flight")
+    term_at = time.monotonic()
+    svc.terminate()
+    assert await svc.async_wait_exit(timeout=15) == 0
+    stopped_after = time.monotonic() - term_at
+    assert stopped_after < 5.0, f"took {stopped_after:.1f}s to stop with TOKO_DRAIN_TIMEOUT=1"
+    assert smtp.delivered() == []
+    (job,) = db.jobs(svc.database)
+    assert job["state"] in ("pending", "running"), job  # not lost, not a dead letter
+    smtp.reset()
+    again = service_factory(env).start()
+    await again.async_wait_ready(timeout=20)
+    await smtp.async_wait_delivered(1, timeout=30)
+    assert any(f"Produk baru: {product['nama']}" in m.subject for m in smtp.delivered())
 
 
 async def test_blocked_event_loop_stops_watchdog(service_factory: ServiceFactory) -> None:
