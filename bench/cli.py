@@ -1,0 +1,240 @@
+"""``python -m bench``: run the scenarios, print a table, write JSON and Markdown."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench import report, scenario_backlog, scenario_startup, scenario_throughput
+from bench.procs import REPO, install_sigterm_as_interrupt, venv_bin
+
+SCENARIOS = ("throughput", "backlog", "startup")
+ALIASES = {"a": "throughput", "b": "backlog", "c": "startup", "all": "all"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=(
+            "Load benchmarks for toko-api on 127.0.0.1 with real processes. Scenarios: "
+            "(a) throughput: wrk POST /produk at 16 connections, toko-api vs an in-memory "
+            "aiohttp baseline; (b) backlog: constant-rate open-loop POSTs while every email "
+            "takes 2 s, then proves no job was lost; (c) startup: spawn to READY=1 and idle RSS."
+        ),
+        epilog=(
+            "Results: a table on stdout, bench/results/<timestamp>.json and "
+            "bench/results/latest.md. Exit status 1 if a target is missed, 2 on a bench error."
+        ),
+    )
+    p.add_argument(
+        "-s",
+        "--scenario",
+        action="append",
+        choices=[*SCENARIOS, *ALIASES],
+        help="scenario to run (repeatable; a/b/c as short names; default: all)",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="short durations to check the harness works (figures not meaningful)",
+    )
+    p.add_argument(
+        "--toko-cmd",
+        default=None,
+        help="command starting the service (default: the venv's toko-api)",
+    )
+    p.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
+    g = p.add_argument_group("(a) throughput")
+    g.add_argument("--runs", type=int, help="alternating rounds (default 3)")
+    g.add_argument("--duration", type=float, help="seconds measured per run (default 10)")
+    g.add_argument("--warmup", type=float, help="discarded seconds before each run (default 2)")
+    g.add_argument("--connections", type=int, default=16)
+    g.add_argument("--wrk-threads", type=int, default=1, help="wrk threads (default 1: 2 cores)")
+    g.add_argument(
+        "--parked",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure toko-api with its workers parked (diagnostic: ingest path only)",
+    )
+    g = p.add_argument_group("(b) backlog")
+    g.add_argument("--rate", type=float, default=500.0, help="offered POSTs per second")
+    g.add_argument("--load-duration", type=float, help="seconds of load (default 30)")
+    g.add_argument("--email-delay", type=float, default=2.0, help="SMTP seconds per email")
+    g.add_argument("--workers", type=int, default=3, help="TOKO_WORKERS")
+    g.add_argument("--p99-target", type=float, default=20.0, help="ms")
+    g.add_argument(
+        "--full-drain",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="afterwards restart with an instant SMTP server and drain everything",
+    )
+    g.add_argument("--drain-timeout", type=float, default=300.0, help="seconds")
+    g.add_argument("--drain-workers", type=int, default=3, help="TOKO_WORKERS for the drain")
+    g = p.add_argument_group("(c) startup")
+    g.add_argument("--starts", type=int, help="starts to take the median of (default 5)")
+    g.add_argument("--idle", type=float, help="idle seconds before reading RSS (default 2)")
+    args = p.parse_args(argv)
+    chosen = [ALIASES.get(s, s) for s in (args.scenario or ["all"])]
+    args.scenarios = list(SCENARIOS) if "all" in chosen else list(dict.fromkeys(chosen))
+    smoke = args.smoke
+
+    def pick(value: float | None, normal: float, short: float) -> float:
+        return value if value is not None else (short if smoke else normal)
+
+    args.runs = int(pick(args.runs, 3, 1))
+    args.duration = pick(args.duration, 10, 2)
+    args.warmup = pick(args.warmup, 2, 1)
+    args.load_duration = pick(args.load_duration, 30, 4)
+    args.starts = int(pick(args.starts, 5, 2))
+    args.idle = pick(args.idle, 2, 0.5)
+    args.settle = 2.0 if smoke else 5.0
+    return args
+
+
+def _git_describe() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def _machine() -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    py = platform.python_version()
+    return f"{os.cpu_count()} x {model}, Linux {platform.release()}, Python {py}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    install_sigterm_as_interrupt()
+    toko_cmd = shlex.split(args.toko_cmd) if args.toko_cmd else [str(venv_bin("toko-api"))]
+    if not shutil.which(toko_cmd[0]):
+        print(f"bench: {toko_cmd[0]} not found or not executable", file=sys.stderr)
+        return 2
+    if "throughput" in args.scenarios and not shutil.which("wrk"):
+        print("bench: wrk not found (apt-get install wrk; make bench does it)", file=sys.stderr)
+        return 2
+    started = datetime.now(UTC)
+    stamp = started.strftime("%Y%m%dT%H%M%SZ")
+    results_dir: Path = args.results_dir
+    workdir = results_dir / f"{stamp}-work"
+    workdir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "meta": {
+            "started": started.isoformat(timespec="seconds"),
+            "command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv),
+            "machine": _machine(),
+            "git": _git_describe(),
+            "loadavg_before": os.getloadavg(),
+            "toko_cmd": toko_cmd,
+            "smoke": args.smoke,
+            "workdir": str(workdir),
+        }
+    }
+    print(f"bench: logs and databases in {workdir}", flush=True)
+    failed: list[str] = []
+    try:
+        for name in args.scenarios:
+            print(f"== {name}", flush=True)
+            t0 = time.monotonic()
+            try:
+                if name == "throughput":
+                    results[name] = scenario_throughput.run(
+                        scenario_throughput.ThroughputConfig(
+                            toko_cmd=toko_cmd,
+                            runs=args.runs,
+                            duration_s=args.duration,
+                            warmup_s=args.warmup,
+                            connections=args.connections,
+                            threads=args.wrk_threads,
+                            parked=args.parked,
+                        ),
+                        workdir / name,
+                    )
+                elif name == "backlog":
+                    results[name] = scenario_backlog.run(
+                        scenario_backlog.BacklogConfig(
+                            toko_cmd=toko_cmd,
+                            rate=args.rate,
+                            duration_s=args.load_duration,
+                            email_delay_s=args.email_delay,
+                            workers=args.workers,
+                            settle_s=args.settle,
+                            p99_target_ms=args.p99_target,
+                            full_drain=args.full_drain,
+                            drain_timeout_s=args.drain_timeout,
+                            drain_workers=args.drain_workers,
+                        ),
+                        workdir / name,
+                    )
+                else:
+                    results[name] = scenario_startup.run(
+                        scenario_startup.StartupConfig(
+                            toko_cmd=toko_cmd, starts=args.starts, idle_s=args.idle
+                        ),
+                        workdir / name,
+                    )
+            except (RuntimeError, TimeoutError, OSError, ValueError) as exc:
+                # One scenario failing should not cost the others' figures.
+                traceback.print_exc()
+                results[name + "_error"] = f"{type(exc).__name__}: {exc}"
+                failed.append(name)
+            print(f"   ({time.monotonic() - t0:.0f} s)", flush=True)
+    except KeyboardInterrupt:
+        print("\nbench: interrupted; every process it started has been stopped", file=sys.stderr)
+        return 130
+    finally:
+        results["meta"]["loadavg_after"] = os.getloadavg()
+        _write(results, results_dir, stamp)
+    missed = [
+        n
+        for n in ("throughput", "backlog")
+        if n in results
+        and not (results[n]["summary"]["met"] if n == "throughput" else results[n]["met"])
+    ]
+    if failed:
+        print(f"bench: scenario(s) failed to run: {', '.join(failed)}", file=sys.stderr)
+        return 2
+    if missed:
+        print(f"bench: target(s) missed: {', '.join(missed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _write(results: dict[str, Any], results_dir: Path, stamp: str) -> None:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{stamp}.json"
+    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    table = report.text_table(results)
+    print()
+    print(table)
+    print(f"\nbench: wrote {path}")
+    if not results["meta"]["smoke"]:
+        md = results_dir / "latest.md"
+        md.write_text(report.markdown(results))
+        print(f"bench: wrote {md}")

@@ -1,0 +1,146 @@
+"""Turn a results dict into the stdout table and the Markdown for the README."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.stats import Spread, fmt_spread
+
+
+def _ms(s: Spread) -> str:
+    return fmt_spread(s, "{:.2f}", " ms")
+
+
+def _yes(flag: object) -> str:
+    return "✅ met" if flag else "❌ missed"
+
+
+def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(scenario, measure, value, target) rows shared by both renderings."""
+    out: list[tuple[str, str, str, str]] = []
+    tp = results.get("throughput")
+    if tp:
+        s = tp["summary"]
+        c = tp["config"]
+        n = f"{c['connections']} conns, median of {c['runs']} x {c['duration_s']:g} s"
+        labels = {
+            "toko": "toko-api (durable)",
+            "baseline": "in-memory baseline",
+            "toko-parked": "toko-api, workers parked (diagnostic)",
+        }
+        for which in c.get("targets", ["toko", "baseline"]):
+            label = labels.get(which, which)
+            w = s[which]
+            out.append(
+                (
+                    f"(a) POST /produk, {label}",
+                    f"req/s · p50 · p99 ({n})",
+                    f"{fmt_spread(w['rps'])} · {_ms(w['p50_ms'])} · {_ms(w['p99_ms'])}"
+                    f" · errors {w['errors']}",
+                    "",
+                )
+            )
+        out.append(
+            (
+                "(a) throughput ratio",
+                "toko / baseline (median of per-round ratios)",
+                fmt_spread(s["ratio_per_round"], "{:.2f}"),
+                f"≥ {s['target_ratio']} {_yes(s['met'])}",
+            )
+        )
+    bl = results.get("backlog")
+    if bl:
+        load = bl["load"]
+        c = bl["config"]
+        lat = load.get("latency_ms", {})
+        out.append(
+            (
+                "(b) 2 s emails, open loop",
+                f"{c['rate']:g} req/s x {c['duration_s']:g} s, {c['workers']} workers:"
+                " POST p50 · p99 · max",
+                f"{lat.get('p50', float('nan')):.2f} · {lat.get('p99', float('nan')):.2f} · "
+                f"{lat.get('max', float('nan')):.1f} ms",
+                f"p99 ≤ {c['p99_target_ms']:g} ms {_yes(bl['checks']['p99_ok'])}",
+            )
+        )
+        out.append(
+            (
+                "(b) request errors",
+                f"{load['requests']} sent, {load['ok_201']} x 201 at "
+                f"{load['achieved_rate']:.0f} req/s",
+                str(load["errors"]),
+                f"0 {_yes(load['errors'] == 0)}",
+            )
+        )
+        q = bl["queue_after_load"]
+        out.append(
+            (
+                "(b) no job lost (after load)",
+                "products · jobs · products without exactly one job",
+                f"{q['products']} · {q['jobs']} · {q['products_without_one_job']}"
+                f" (states {q['states']})",
+                _yes(bl["checks"]["one_job_per_product"]),
+            )
+        )
+        sm = bl["smtp_during_load"]
+        out.append(
+            (
+                "(b) emails while loaded",
+                f"distinct Message-IDs in {sm['elapsed_s']:.0f} s (expected"
+                f" {sm['expected_min']}-{sm['expected_max']} at {sm['expected_rate_per_s']:.2f}/s)",
+                f"{sm['distinct_message_ids']} ({sm['rate_per_s']:.2f}/s), "
+                f"duplicates {sm['duplicates']}",
+                _yes(bl["checks"]["drain_rate_ok"]),
+            )
+        )
+        dr = bl.get("full_drain")
+        if dr:
+            out.append(
+                (
+                    "(b) full drain (restart, 0 s emails)",
+                    "distinct Message-IDs == products · duplicates · time",
+                    f"{dr['distinct_message_ids']} / {dr['products']} · {dr['duplicates']}"
+                    f" · {dr['seconds']:.0f} s",
+                    _yes(dr["all_delivered"]),
+                )
+            )
+    st = results.get("startup")
+    if st:
+        s = st["summary"]
+        n = f"median of {st['config']['starts']}"
+        out.append(("(c) start to READY=1", n, _ms(s["ready_ms"]), ""))
+        out.append(
+            (
+                "(c) idle RSS",
+                f"VmRSS after READY + {st['config']['idle_s']:g} s idle, {n}",
+                fmt_spread(s["rss_mib"], "{:.1f}", " MiB"),
+                "",
+            )
+        )
+    return out
+
+
+def text_table(results: dict[str, Any]) -> str:
+    data = [("scenario", "measure", "value", "target"), *rows(results)]
+    widths = [max(len(r[i]) for r in data) for i in range(4)]
+    lines = []
+    for n, r in enumerate(data):
+        lines.append("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    lines = [
+        f"Measured {meta['started']} on {meta['machine']} with `{meta['command']}`"
+        f" (toko {meta['git']}). Figures are medians with min-max over runs;"
+        " latencies include client-side queueing.",
+        "",
+        "| Scenario | Measure | Value | Target |",
+        "|---|---|---|---|",
+    ]
+    for r in rows(results):
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in r) + " |")
+    return "\n".join(lines) + "\n"

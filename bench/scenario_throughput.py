@@ -1,0 +1,165 @@
+"""(a) Durable POST /produk throughput: toko-api vs the in-memory baseline, with wrk.
+
+Each round starts every server fresh (toko-api on a new SQLite file, log
+mailer), one after the other, rotating which goes first so slow drift on a
+shared machine does not favour one side. Each measurement is preceded by a
+short, discarded warm-up.
+
+A third, diagnostic target (``toko-parked``) runs toko-api with its workers
+parked on an SMTP server that never answers in time: the same HTTP +
+group-commit path without any job processing. Comparing it with ``toko``
+tells how much of the gap to the baseline is the ingest path and how much is
+the workers running jobs on the same event loop. It is not part of the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.procs import base_env, free_port
+from bench.sink import smtp_sink
+from bench.stats import median, spread
+from bench.toko import Target, running, toko_target
+from bench.wrk import POST_PRODUK_LUA, WrkResult, run_wrk
+
+
+@dataclass(frozen=True)
+class ThroughputConfig:
+    toko_cmd: list[str]
+    runs: int = 3
+    duration_s: float = 10.0
+    warmup_s: float = 2.0
+    connections: int = 16
+    threads: int = 1
+    parked: bool = True
+
+
+def baseline_target() -> Target:
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.baseline_app", "--listen", f"127.0.0.1:{port}"]
+    return Target("baseline", cmd, base_env(), port)
+
+
+def count_products(db: Path) -> int | None:
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10) as conn:
+            return int(conn.execute("SELECT count(*) FROM products").fetchone()[0])
+    except sqlite3.Error:
+        return None
+
+
+def _measure(
+    target: Target, cfg: ThroughputConfig, workdir: Path, label: str, script: Path
+) -> WrkResult:
+    url = target.base_url + "/produk"
+    wrk_log = workdir / "wrk.log"
+    with running(target, workdir / f"{label}.log", stop_timeout=30):
+        if cfg.warmup_s > 0:
+            run_wrk(
+                url,
+                script=script,
+                duration_s=cfg.warmup_s,
+                connections=cfg.connections,
+                threads=cfg.threads,
+                token=f"{label}-warm",
+                log=wrk_log,
+            )
+        return run_wrk(
+            url,
+            script=script,
+            duration_s=cfg.duration_s,
+            connections=cfg.connections,
+            threads=cfg.threads,
+            token=label,
+            log=wrk_log,
+        )
+
+
+def run(cfg: ThroughputConfig, workdir: Path) -> dict[str, Any]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    script = workdir / "post_produk.lua"
+    script.write_text(POST_PRODUK_LUA)
+    rounds: list[dict[str, Any]] = []
+    names = ["toko", "baseline", *(["toko-parked"] if cfg.parked else [])]
+    for i in range(cfg.runs):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        rnd: dict[str, Any] = {"round": i + 1, "order": order}
+        for which in order:
+            label = f"r{i + 1}-{which}"
+            toko_db = workdir / f"{label}.db"
+            db = None if which == "baseline" else toko_db
+            with contextlib.ExitStack() as stack:
+                if which == "toko":
+                    target = toko_target(cfg.toko_cmd, toko_db)
+                elif which == "toko-parked":
+                    # Each worker takes one job and waits on DATA for an hour;
+                    # a short drain timeout keeps the stop quick.
+                    port = stack.enter_context(
+                        smtp_sink(workdir, f"{label}-smtp", 3600.0, workdir / "parked.tsv")
+                    )
+                    target = toko_target(
+                        cfg.toko_cmd,
+                        toko_db,
+                        smtp_url=f"smtp://127.0.0.1:{port}",
+                        extra_env={"TOKO_DRAIN_TIMEOUT": "1", "TOKO_JOB_TIMEOUT": "3600"},
+                    )
+                else:
+                    target = baseline_target()
+                res = _measure(target, cfg, workdir, label, script)
+            entry = res.to_json()
+            if db is not None:
+                # Warm-up and measured requests all committed a row.
+                entry["rows_in_db"] = count_products(db)
+            rnd[which] = entry
+            print(
+                f"  round {i + 1} {which:11s} {res.rps:8.0f} req/s  "
+                f"p50 {res.latency_ms['p50']:.2f} ms  p99 {res.latency_ms['p99']:.2f} ms  "
+                f"errors {res.error_count}",
+                flush=True,
+            )
+        rnd["ratio"] = rnd["toko"]["rps"] / rnd["baseline"]["rps"]
+        rounds.append(rnd)
+
+    def col(which: str, key: str) -> list[float]:
+        return [r[which][key] for r in rounds]
+
+    def lat(which: str, key: str) -> list[float]:
+        return [r[which]["latency_ms"][key] for r in rounds]
+
+    summary: dict[str, Any] = {}
+    for which in names:
+        summary[which] = {
+            "rps": spread(col(which, "rps")),
+            "p50_ms": spread(lat(which, "p50")),
+            "p99_ms": spread(lat(which, "p99")),
+            "errors": sum(r[which]["error_count"] for r in rounds),
+        }
+    ratios = [r["ratio"] for r in rounds]
+    summary["ratio_of_medians"] = (
+        summary["toko"]["rps"]["median"] / summary["baseline"]["rps"]["median"]
+    )
+    summary["ratio_per_round"] = spread(ratios)
+    if cfg.parked:
+        summary["parked_ratio_per_round"] = spread(
+            [r["toko-parked"]["rps"] / r["baseline"]["rps"] for r in rounds]
+        )
+    summary["target_ratio"] = 0.6
+    summary["met"] = bool(median(ratios) >= 0.6 and summary["toko"]["errors"] == 0)
+    return {
+        "config": {
+            "runs": cfg.runs,
+            "duration_s": cfg.duration_s,
+            "warmup_s": cfg.warmup_s,
+            "connections": cfg.connections,
+            "wrk_threads": cfg.threads,
+            "toko_cmd": cfg.toko_cmd,
+            "targets": names,
+        },
+        "rounds": rounds,
+        "summary": summary,
+    }
