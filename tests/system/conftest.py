@@ -70,7 +70,11 @@ def deployment(suite: str, trees: dict[str, Future[Path]]) -> Iterator[Deploymen
         machine.prepare()
         toko.stage()
         machine.boot()
-        toko.make("install")
+        try:
+            toko.make("install")
+        except Exception:
+            log(f"{suite}: make install failed; the units' state and journal:\n{toko.diagnose()}")
+            raise
         yield toko
     finally:
         log(f"{suite}: console tail:\n{machine.console_tail(15)}")

@@ -139,21 +139,30 @@ class Deployment:
             self.machine.run(["systemctl", "start", "toko-api.socket", "toko-api.service"])
         self.wait_serving()
 
-    def cursor(self) -> str:
-        """The journal's current end, to read only what comes after it."""
-        out = self.machine.run(["journalctl", "-n", "1", "-o", "json", "--no-pager"]).stdout
-        return str(json.loads(out.splitlines()[-1])["__CURSOR"])
+    def now(self) -> float:
+        """A point in time to read the journal from (the container shares the host's clock)."""
+        return time.time()
 
-    def journal(self, unit: str, after: str | None = None) -> list[dict[str, Any]]:
-        """The unit's journal entries (as journalctl -o json), optionally after a cursor."""
+    def journal(self, unit: str, since: float | None = None) -> list[dict[str, Any]]:
+        """The unit's journal entries (as journalctl -o json), optionally from ``since`` on."""
         argv = ["journalctl", "-u", unit, "-o", "json", "--no-pager"]
-        if after:
-            argv.append(f"--after-cursor={after}")
+        if since is not None:
+            argv.append(f"--since=@{int(since)}")
         out = self.machine.run(argv).stdout
-        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        entries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        if since is not None:
+            entries = [e for e in entries if int(e["__REALTIME_TIMESTAMP"]) >= since * 1e6]
+        return entries
 
-    def messages(self, unit: str, after: str | None = None) -> list[str]:
-        return [str(e.get("MESSAGE", "")) for e in self.journal(unit, after)]
+    def messages(self, unit: str, since: float | None = None) -> list[str]:
+        return [str(e.get("MESSAGE", "")) for e in self.journal(unit, since)]
+
+    def diagnose(self) -> str:
+        """What an admin would look at first when toko does not run."""
+        return self.machine.sh(
+            "systemctl --no-pager status 'toko-*'; journalctl --no-pager -n 60 -u 'toko-*'",
+            check=False,
+        ).stdout
 
     # -- the database, read as toko (the WAL's -shm must stay toko's)
 

@@ -26,7 +26,7 @@ UNIT_DIR = "/usr/local/lib/systemd/system"
 
 def test_api_active_and_serves_from_host(toko: Deployment) -> None:
     assert toko.machine.run(["systemctl", "is-active", "toko-api"]).stdout.strip() == "active"
-    cursor = toko.cursor()
+    since = toko.now()
     product = toko.post_product("Kopi Toraja", 45000)
     assert product["nama"] == "Kopi Toraja" and product["harga"] == 45000
     got = toko.request("GET", f"/produk/{product['id']}")
@@ -36,7 +36,7 @@ def test_api_active_and_serves_from_host(toko: Deployment) -> None:
     def logged() -> list[dict[str, Any]]:
         return [
             e
-            for e in toko.journal("toko-api", cursor)
+            for e in toko.journal("toko-api", since)
             if e.get("MESSAGE") == "email logged" and "Kopi Toraja" in str(e.get("SUBJECT", ""))
         ]
 
@@ -95,12 +95,12 @@ def test_units_verify_clean_and_exposure(toko: Deployment) -> None:
 
 def test_backup_by_hand_is_verified(toko: Deployment) -> None:
     toko.post_product("Gula Aren", 30000)
-    cursor = toko.cursor()
+    since = toko.now()
     toko.machine.run(["systemctl", "start", "toko-backup.service"], timeout=300)
     assert toko.show("toko-backup.service", "Result") == "success"
-    entries = toko.journal("toko-backup", cursor)
+    entries = toko.journal("toko-backup", since)
     written = [e for e in entries if e.get("MESSAGE") == "backup written"]
-    assert written, toko.messages("toko-backup", cursor)
+    assert written, toko.messages("toko-backup", since)
     path = str(written[-1]["PATH"])
     assert re.fullmatch(r"/var/lib/toko/backups/toko-\d{8}T\d{6}Z\.db", path), path
     stat = toko.machine.run(["stat", "-c", "%a %U", path]).stdout.split()
@@ -127,19 +127,19 @@ def test_restore_refused_while_api_runs(toko: Deployment) -> None:
 def test_recap_twice_records_once(toko: Deployment) -> None:
     # The default period is yesterday in the machine's time zone.
     yesterday = toko.machine.run(["date", "-d", "yesterday", "+%F"]).stdout.strip()
-    cursor = toko.cursor()
+    since = toko.now()
     for _ in range(2):
         toko.machine.run(["systemctl", "start", "toko-recap.service"], timeout=300)
         assert toko.show("toko-recap.service", "Result") == "success"
     assert toko.sql("SELECT period FROM recaps") == [(yesterday,)]
     assert toko.sql("SELECT count(*) FROM jobs WHERE kind = 'recap_email'") == [(1,)]
-    messages = toko.messages("toko-recap", cursor)
+    messages = toko.messages("toko-recap", since)
     assert any("recap already recorded" in m for m in messages), messages
 
 
 def test_watchdog_restarts_a_stopped_process(toko: Deployment) -> None:
     pid, restarts = toko.main_pid(), toko.n_restarts()
-    toko.machine.run(["kill", "-STOP", str(pid)])
+    toko.machine.sh(f"kill -STOP {pid}")  # the shell's kill: minbase has no procps
     # WatchdogSec=15s, then SIGABRT and the restart.
     wait_until(lambda: toko.n_restarts() > restarts, 60, "a watchdog restart (NRestarts)")
     toko.wait_serving(old_pid=pid)
@@ -210,7 +210,7 @@ def test_kill9_with_jobs_pending_completes_every_email(
         assert pending >= 10, pending
         pid, restarts = toko.main_pid(), toko.n_restarts()
         smtp_server.set_delay(0)  # the mail server recovers while toko-api is down
-        toko.machine.run(["kill", "-9", str(pid)])
+        toko.machine.sh(f"kill -9 {pid}")
         wait_until(lambda: toko.n_restarts() > restarts, 60, "the restart after kill -9")
         toko.wait_serving(old_pid=pid)
 
@@ -242,13 +242,13 @@ def test_reinstall_upgrades_in_place_and_keeps_data(toko: Deployment) -> None:
 
 def test_stop_drains_and_succeeds(toko: Deployment) -> None:
     toko.post_product("Sebelum berhenti")
-    cursor = toko.cursor()
+    since = toko.now()
     started = time.monotonic()
     toko.machine.run(["systemctl", "stop", "toko-api.service"], timeout=120)
     assert time.monotonic() - started < 30
     assert toko.show("toko-api.service", "Result") == "success"
     assert toko.show("toko-api.service", "ExecMainStatus") == "0"
-    messages = toko.messages("toko-api", cursor)
+    messages = toko.messages("toko-api", since)
     assert any(m.startswith("draining") for m in messages), messages
     assert any(m.startswith("stopped") for m in messages), messages
 
@@ -258,8 +258,9 @@ def test_uninstall_keeps_the_data(toko: Deployment) -> None:
     out = toko.make("uninstall").stdout
     assert "/var/lib/toko" in out
     left = toko.machine.sh(
-        f"ls {UNIT_DIR}/toko-* /opt/toko 2>/dev/null; systemctl list-units --all 'toko-*' "
-        "--no-legend --plain",
+        f"ls {UNIT_DIR}/toko-* /opt/toko 2>/dev/null; "
+        "systemctl list-unit-files 'toko-*' --no-legend; "
+        "systemctl list-units --all 'toko-*' --state=active,activating,failed --no-legend",
         check=False,
     ).stdout
     assert left.strip() == "", left
