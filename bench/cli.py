@@ -10,6 +10,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from datetime import UTC, datetime
@@ -18,6 +19,7 @@ from typing import Any
 
 from bench import report, scenario_backlog, scenario_startup, scenario_throughput
 from bench.procs import REPO, install_sigterm_as_interrupt, venv_bin
+from bench.toko import TokoCommand, snapshot
 
 SCENARIOS = ("throughput", "backlog", "startup")
 ALIASES = {"a": "throughput", "b": "backlog", "c": "startup", "all": "all"}
@@ -54,6 +56,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="command starting the service (default: the venv's toko-api)",
     )
+    p.add_argument(
+        "--toko-ref",
+        default=None,
+        help="measure this git revision (extracted with git archive) instead of the working tree",
+    )
     p.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
     g = p.add_argument_group("(a) throughput")
     g.add_argument("--runs", type=int, help="alternating rounds (default 3)")
@@ -79,8 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=True,
         help="afterwards restart with an instant SMTP server and drain everything",
     )
-    g.add_argument("--drain-timeout", type=float, default=300.0, help="seconds")
-    g.add_argument("--drain-workers", type=int, default=3, help="TOKO_WORKERS for the drain")
+    g.add_argument("--drain-timeout", type=float, default=420.0, help="seconds")
+    g.add_argument("--drain-workers", type=int, default=16, help="TOKO_WORKERS for the drain")
     g = p.add_argument_group("(c) startup")
     g.add_argument("--starts", type=int, help="starts to take the median of (default 5)")
     g.add_argument("--idle", type=float, help="idle seconds before reading RSS (default 2)")
@@ -132,26 +139,38 @@ def _machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     install_sigterm_as_interrupt()
-    toko_cmd = shlex.split(args.toko_cmd) if args.toko_cmd else [str(venv_bin("toko-api"))]
-    if not shutil.which(toko_cmd[0]):
-        print(f"bench: {toko_cmd[0]} not found or not executable", file=sys.stderr)
-        return 2
-    if "throughput" in args.scenarios and not shutil.which("wrk"):
-        print("bench: wrk not found (apt-get install wrk; make bench does it)", file=sys.stderr)
-        return 2
     started = datetime.now(UTC)
     stamp = started.strftime("%Y%m%dT%H%M%SZ")
     results_dir: Path = args.results_dir
     workdir = results_dir / f"{stamp}-work"
     workdir.mkdir(parents=True, exist_ok=True)
+    snapdir: Path | None = None
+    if args.toko_ref:
+        # Outside the repository, so linters and type checkers never see it.
+        snapdir = Path(tempfile.mkdtemp(prefix="toko-bench-snapshot-"))
+        try:
+            toko = snapshot(args.toko_ref, snapdir)
+        except subprocess.CalledProcessError as exc:
+            shutil.rmtree(snapdir, ignore_errors=True)
+            print(f"bench: cannot extract {args.toko_ref}: {exc.stderr}", file=sys.stderr)
+            return 2
+    else:
+        argv = shlex.split(args.toko_cmd) if args.toko_cmd else [str(venv_bin("toko-api"))]
+        toko = TokoCommand(argv, revision=_git_describe())
+    if not shutil.which(toko.argv[0]):
+        print(f"bench: {toko.argv[0]} not found or not executable", file=sys.stderr)
+        return 2
+    if "throughput" in args.scenarios and not shutil.which("wrk"):
+        print("bench: wrk not found (apt-get install wrk; make bench does it)", file=sys.stderr)
+        return 2
     results: dict[str, Any] = {
         "meta": {
             "started": started.isoformat(timespec="seconds"),
             "command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv),
             "machine": _machine(),
-            "git": _git_describe(),
+            "git": toko.revision,
             "loadavg_before": os.getloadavg(),
-            "toko_cmd": toko_cmd,
+            "toko_cmd": toko.argv,
             "smoke": args.smoke,
             "workdir": str(workdir),
         }
@@ -166,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "throughput":
                     results[name] = scenario_throughput.run(
                         scenario_throughput.ThroughputConfig(
-                            toko_cmd=toko_cmd,
+                            toko=toko,
                             runs=args.runs,
                             duration_s=args.duration,
                             warmup_s=args.warmup,
@@ -179,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif name == "backlog":
                     results[name] = scenario_backlog.run(
                         scenario_backlog.BacklogConfig(
-                            toko_cmd=toko_cmd,
+                            toko=toko,
                             rate=args.rate,
                             duration_s=args.load_duration,
                             email_delay_s=args.email_delay,
@@ -195,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     results[name] = scenario_startup.run(
                         scenario_startup.StartupConfig(
-                            toko_cmd=toko_cmd, starts=args.starts, idle_s=args.idle
+                            toko=toko, starts=args.starts, idle_s=args.idle
                         ),
                         workdir / name,
                     )
@@ -211,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         results["meta"]["loadavg_after"] = os.getloadavg()
         _write(results, results_dir, stamp)
+        if snapdir is not None:
+            shutil.rmtree(snapdir, ignore_errors=True)
     missed = [
         n
         for n in ("throughput", "backlog")

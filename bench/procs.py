@@ -46,6 +46,8 @@ class Managed:
     name: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    stop_seconds: float | None = None  # how long the first stop() took
+    killed: bool = False  # needed SIGKILL after ignoring SIGTERM
 
     @property
     def pid(self) -> int:
@@ -75,17 +77,18 @@ class Managed:
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, wait up to ``timeout``, then SIGKILL. Returns the exit code."""
         if self.proc.poll() is None:
+            t0 = time.monotonic()
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                print(
-                    f"bench: {self.name} ignored SIGTERM for {timeout}s, killing", file=sys.stderr
-                )
+                print(f"bench: {self.name} ignored SIGTERM {timeout}s, killing", file=sys.stderr)
+                self.killed = True
                 with contextlib.suppress(ProcessLookupError):
                     self.proc.kill()
                 self.proc.wait(10)
+            self.stop_seconds = time.monotonic() - t0
         return self.proc.returncode
 
 

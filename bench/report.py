@@ -59,7 +59,8 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 f"{c['rate']:g} req/s x {c['duration_s']:g} s, {c['workers']} workers:"
                 " POST p50 · p99 · max",
                 f"{lat.get('p50', float('nan')):.2f} · {lat.get('p99', float('nan')):.2f} · "
-                f"{lat.get('max', float('nan')):.1f} ms",
+                f"{lat.get('max', float('nan')):.1f} ms (of which client lateness p99 "
+                f"{load.get('generator_lateness_ms', {}).get('p99', float('nan')):.1f} ms)",
                 f"p99 ≤ {c['p99_target_ms']:g} ms {_yes(bl['checks']['p99_ok'])}",
             )
         )

@@ -31,12 +31,12 @@ from typing import Any
 from bench.loadgen import open_loop
 from bench.procs import cpu_seconds
 from bench.sink import read_record, smtp_sink
-from bench.toko import running, toko_target
+from bench.toko import TokoCommand, running, toko_target
 
 
 @dataclass(frozen=True)
 class BacklogConfig:
-    toko_cmd: list[str]
+    toko: TokoCommand
     rate: float = 500.0
     duration_s: float = 30.0
     email_delay_s: float = 2.0
@@ -44,8 +44,8 @@ class BacklogConfig:
     settle_s: float = 5.0
     p99_target_ms: float = 20.0
     full_drain: bool = True
-    drain_timeout_s: float = 300.0
-    drain_workers: int = 3
+    drain_timeout_s: float = 420.0
+    drain_workers: int = 16
     max_connections: int = 256
 
 
@@ -129,10 +129,8 @@ def run(cfg: BacklogConfig, workdir: Path) -> dict[str, Any]:
             "max_client_connections": cfg.max_connections,
         }
     }
-    with smtp_sink(workdir, "smtp-slow", cfg.email_delay_s, record) as smtp_port:
-        target = toko_target(
-            cfg.toko_cmd, db, workers=cfg.workers, smtp_url=f"smtp://127.0.0.1:{smtp_port}"
-        )
+    with smtp_sink(workdir, "smtp-slow", cfg.email_delay_s, record) as sink:
+        target = toko_target(cfg.toko, db, workers=cfg.workers, smtp_url=sink.url)
         with running(target, workdir / "toko-api.log") as api:
             cpu0 = cpu_seconds(api.pid)
             t_start = time.time()
@@ -160,6 +158,12 @@ def run(cfg: BacklogConfig, workdir: Path) -> dict[str, Any]:
                 f"  load done: {summary['ok_201']}/{summary['requests']} x 201, "
                 f"p50 {lat.get('p50', 0):.2f} ms, p99 {lat.get('p99', 0):.2f} ms, "
                 f"max {lat.get('max', 0):.1f} ms; settling {cfg.settle_s:g} s",
+                flush=True,
+            )
+            worst = sorted(summary["per_second"], key=lambda b: b["p99_ms"])[-3:]
+            print(
+                "  worst seconds (p99 ms): "
+                + ", ".join(f"t={b['second']}s {b['p99_ms']:.1f}" for b in reversed(worst)),
                 flush=True,
             )
             time.sleep(cfg.settle_s)
@@ -226,13 +230,8 @@ def _full_drain(
     t0 = time.monotonic()
     states: dict[str, int] = {}
     timed_out = False
-    with smtp_sink(workdir, "smtp-fast", 0.0, record) as smtp_port:
-        target = toko_target(
-            cfg.toko_cmd,
-            db,
-            workers=cfg.drain_workers,
-            smtp_url=f"smtp://127.0.0.1:{smtp_port}",
-        )
+    with smtp_sink(workdir, "smtp-fast", 0.0, record) as sink:
+        target = toko_target(cfg.toko, db, workers=cfg.drain_workers, smtp_url=sink.url)
         with running(target, workdir / "toko-api-drain.log") as api:
             while True:
                 api.check_alive()

@@ -16,12 +16,12 @@ from typing import Any
 
 from bench.procs import NotifySocket, managed, port_accepts, rss_kib
 from bench.stats import spread
-from bench.toko import toko_target
+from bench.toko import TokoCommand, toko_target
 
 
 @dataclass(frozen=True)
 class StartupConfig:
-    toko_cmd: list[str]
+    toko: TokoCommand
     starts: int = 5
     idle_s: float = 2.0
     ready_timeout_s: float = 30.0
@@ -36,10 +36,14 @@ def run(cfg: StartupConfig, workdir: Path) -> dict[str, Any]:
             db = workdir / f"start-{i + 1}.db"
             sock_path = Path(sockdir) / f"notify-{i + 1}.sock"
             with NotifySocket(sock_path) as ns:
-                target = toko_target(cfg.toko_cmd, db, notify_socket=sock_path)
+                target = toko_target(cfg.toko, db, notify_socket=sock_path)
                 t0 = time.monotonic()
                 with managed(
-                    "toko-api", target.cmd, log_path=workdir / f"start-{i + 1}.log", env=target.env
+                    "toko-api",
+                    target.cmd,
+                    log_path=workdir / f"start-{i + 1}.log",
+                    env=target.env,
+                    cwd=target.cwd,
                 ) as proc:
                     t_ready = ns.wait_for("READY=1", cfg.ready_timeout_s, proc)
                     accepting = port_accepts(target.port)

@@ -6,9 +6,21 @@ import contextlib
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from bench.procs import managed
+from bench.procs import Managed, managed
+
+
+@dataclass(frozen=True)
+class Sink:
+    port: int
+    proc: Managed
+
+    @property
+    def url(self) -> str:
+        """The value for TOKO_SMTP_URL."""
+        return f"smtp://127.0.0.1:{self.port}"
 
 
 def read_record(path: Path) -> list[tuple[float, str, str]]:
@@ -30,7 +42,7 @@ def read_record(path: Path) -> list[tuple[float, str, str]]:
 
 
 @contextlib.contextmanager
-def smtp_sink(workdir: Path, name: str, delay: float, record: Path) -> Iterator[int]:
+def smtp_sink(workdir: Path, name: str, delay: float, record: Path) -> Iterator[Sink]:
     """Run ``bench.smtp_sink`` (the tests' aiosmtpd server) in its own process; yield its port."""
     port_file = workdir / f"{name}.port"
     port_file.unlink(missing_ok=True)
@@ -45,4 +57,4 @@ def smtp_sink(workdir: Path, name: str, delay: float, record: Path) -> Iterator[
             time.sleep(0.05)
         port = int(port_file.read_text())
         sink.wait_port(port)
-        yield port
+        yield Sink(port, sink)

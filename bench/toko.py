@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import subprocess
+import sys
+import tarfile
 import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.procs import Managed, base_env, free_port, managed
+from bench.procs import REPO, Managed, base_env, free_port, managed
+
+
+@dataclass(frozen=True)
+class TokoCommand:
+    """How to start toko-api: the venv's console script, or a snapshot of a git revision."""
+
+    argv: list[str]
+    cwd: Path | None = None  # a snapshot's directory, so ``python -m service`` imports it
+    revision: str = "working tree"
 
 
 @dataclass(frozen=True)
@@ -21,6 +34,7 @@ class Target:
     cmd: list[str]
     env: dict[str, str]
     port: int
+    cwd: Path | None = None
 
     @property
     def base_url(self) -> str:
@@ -28,7 +42,7 @@ class Target:
 
 
 def toko_target(
-    cmd: list[str],
+    toko: TokoCommand,
     database: Path,
     *,
     workers: int = 3,
@@ -50,7 +64,32 @@ def toko_target(
     if notify_socket is not None:
         env["NOTIFY_SOCKET"] = str(notify_socket)
     env.update(extra_env or {})
-    return Target("toko-api", cmd, env, port)
+    return Target("toko-api", toko.argv, env, port, toko.cwd)
+
+
+def snapshot(ref: str, dest: Path) -> TokoCommand:
+    """Extract ``service/`` and ``jobs/`` at git ``ref`` into ``dest`` (read-only on the repo).
+
+    Lets the bench measure a committed revision while the working tree is being
+    edited, or compare two revisions. The venv's dependencies are used as they are.
+    """
+    rev = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", ref],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout.strip()
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "--format=tar", rev, "service", "jobs"],
+        capture_output=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")
+    return TokoCommand([sys.executable, "-m", "service"], cwd=dest, revision=rev)
 
 
 def get_json(url: str, timeout: float = 5.0) -> tuple[int, object]:
@@ -67,7 +106,12 @@ def running(
 ) -> Iterator[Managed]:
     """Start ``target``, wait until its port accepts and /healthz says 200; stop it on exit."""
     with managed(
-        target.name, target.cmd, log_path=log_path, env=target.env, stop_timeout=stop_timeout
+        target.name,
+        target.cmd,
+        log_path=log_path,
+        env=target.env,
+        stop_timeout=stop_timeout,
+        cwd=target.cwd,
     ) as proc:
         proc.wait_port(target.port, ready_timeout)
         deadline = time.monotonic() + ready_timeout
