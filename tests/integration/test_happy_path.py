@@ -35,7 +35,8 @@ async def test_create_read_and_email(service_factory: ServiceFactory, smtp: Smtp
         assert product["nama"] == "Kopi Susu ☕"
         assert product["harga"] == 15000
         created = datetime.fromisoformat(product["created_at"])
-        assert created.utcoffset() is not None and created.utcoffset().total_seconds() == 0
+        offset = created.utcoffset()
+        assert offset is not None and offset.total_seconds() == 0, product["created_at"]
         assert abs((datetime.now(UTC) - created).total_seconds()) < 60
 
         async with session.get(svc.url(f"/produk/{product['id']}")) as resp:

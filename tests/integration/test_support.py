@@ -225,17 +225,14 @@ srv = socket.socket()
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 srv.bind((host, int(port)))
 srv.listen()
-def stop(signum, frame):
-    sd("STOPPING=1")
-    print(json.dumps({"message": "stopped"}), flush=True)
-    sys.exit(0)
-signal.signal(signal.SIGTERM, stop)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by sigwait below
 print(json.dumps({"message": "env", "KEYS": sorted(os.environ)}), flush=True)
 print("not json", flush=True)
 sd("READY=1")
 print(json.dumps({"message": "ready", "PORT": int(port)}), flush=True)
-while True:
-    signal.pause()
+signal.sigwait({signal.SIGTERM})
+sd("STOPPING=1")
+print(json.dumps({"message": "stopped"}), flush=True)
 """
 
 

@@ -24,7 +24,8 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 R = TypeVar("R")
 
-Predicate = Callable[[Sequence[T]], R]
+# A predicate returns something truthy (returned by the wait) or a falsy value.
+Predicate = Callable[[Sequence[T]], R | None]
 
 
 class Recorder(Generic[T]):

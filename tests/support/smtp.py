@@ -27,6 +27,7 @@ thread-safe and can be called from a test's event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import email
 import email.policy
 import socket
@@ -206,14 +207,16 @@ class SmtpServer:
         parsed = email.message_from_bytes(raw, policy=email.policy.default)
         message_id = str(parsed.get("Message-ID", "")).strip()
         subject = str(parsed.get("Subject", ""))
-        base = {
-            "message_id": message_id,
-            "subject": subject,
-            "to": tuple(envelope.rcpt_tos),
-            "mail_from": envelope.mail_from or "",
-            "raw": raw,
-        }
-        self.arrivals.append(SmtpMessage(outcome="arrived", at=time.monotonic(), **base))
+        arrived = SmtpMessage(
+            outcome="arrived",
+            message_id=message_id,
+            subject=subject,
+            to=tuple(envelope.rcpt_tos),
+            mail_from=envelope.mail_from or "",
+            raw=raw,
+            at=time.monotonic(),
+        )
+        self.arrivals.append(arrived)
         with self._lock:
             b = self._behaviour
             delay = b.delay
@@ -229,7 +232,7 @@ class SmtpServer:
                 outcome, reply = "delivered", "250 OK"
         if delay > 0:
             await asyncio.sleep(delay)
-        self.log.append(SmtpMessage(outcome=outcome, at=time.monotonic(), **base))
+        self.log.append(dataclasses.replace(arrived, outcome=outcome, at=time.monotonic()))
         return reply
 
 
