@@ -33,7 +33,7 @@ async def create_product(request: web.Request) -> web.Response:
         nama, harga, lambda p: product_email_job(p, settings.job_max_attempts)
     )
     request.app[POOL].notify()
-    log.info("product created", extra={"PRODUCT_ID": product.id, "JOB_ID": job_id})
+    log.debug("product created", extra={"PRODUCT_ID": product.id, "JOB_ID": job_id})
     return web.json_response(
         product.to_json(), status=201, headers={"Location": f"/produk/{product.id}"}
     )

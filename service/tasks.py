@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from service.mail import Mailer, build_message
+from service.mail import Email, Mailer
 from service.models import Job, NewJob, Product
 
 PRODUCT_EMAIL = "product_email"
@@ -45,12 +45,13 @@ async def send_product_email(job: Job, ctx: JobContext) -> None:
         f"Harga: {_rupiah(p['harga'])}\n"
     )
     await ctx.mailer.send(
-        build_message(
+        Email(
             job_id=job.id,
             mail_from=ctx.mail_from,
             to=ctx.admin_email,
             subject=f"Produk baru: {p['nama']}",
             body=body,
+            fields=job_fields(job),
         )
     )
 
@@ -63,12 +64,13 @@ async def send_recap_email(job: Job, ctx: JobContext) -> None:
         f"Total produk:  {p['products_total']}\n"
     )
     await ctx.mailer.send(
-        build_message(
+        Email(
             job_id=job.id,
             mail_from=ctx.mail_from,
             to=ctx.admin_email,
             subject=f"Rekap produk {p['period']}",
             body=body,
+            fields=job_fields(job),
         )
     )
 

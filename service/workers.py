@@ -1,9 +1,12 @@
 """The worker pool: claim due jobs, run them, ack or retry; never die silently.
 
-One claimer task leases as many due jobs as there are idle workers (one
-round trip for several jobs) and hands them over; ``TOKO_WORKERS`` worker
-tasks run them. A committed job wakes the claimer at once (``notify``); a
+One claimer task leases due jobs for the idle workers plus one job of
+prefetch per worker (one round trip for several jobs) and hands them over;
+``TOKO_WORKERS`` worker tasks run them; one acker task marks finished jobs
+done in batches. A committed job wakes the claimer at once (``notify``); a
 slow sweep catches jobs enqueued by other processes and retries falling due.
+Prefetch stays at one job per worker so a queued job never waits longer than
+one attempt's timeout, which the lease outlasts.
 
 An exception in a job fails that attempt only. A worker task that dies anyway
 is logged and replaced, up to a budget: a pool that keeps dying is reported
@@ -78,6 +81,9 @@ class WorkerPool:
         self._capacity = asyncio.Event()
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._claimer: asyncio.Task[None] | None = None
+        self._acker: asyncio.Task[None] | None = None
+        self._acks: list[int] = []
+        self._ack_wakeup = asyncio.Event()
         self._busy = 0
         self._stopping = False
         self._deaths: list[float] = []
@@ -100,12 +106,13 @@ class WorkerPool:
         return self._busy
 
     def healthy(self) -> bool:
-        claimer_ok = self._claimer is not None and not self._claimer.done()
-        return claimer_ok and self.alive == self.configured
+        side_ok = all(not task.done() for task in self.side_tasks)
+        return bool(self.side_tasks) and side_ok and self.alive == self.configured
 
     @property
-    def claimer(self) -> asyncio.Task[None] | None:
-        return self._claimer
+    def side_tasks(self) -> list[asyncio.Task[None]]:
+        """The claimer and the acker: if either ends, the pool is broken."""
+        return [task for task in (self._claimer, self._acker) if task is not None]
 
     def notify(self) -> None:
         """A job was committed: look for work now rather than at the next sweep."""
@@ -121,6 +128,7 @@ class WorkerPool:
         for index in range(1, self._config.workers + 1):
             self._spawn(f"worker-{index}")
         self._claimer = asyncio.create_task(self._claim_loop(), name="toko-claimer")
+        self._acker = asyncio.create_task(self._ack_loop(), name="toko-acker")
 
     def kill_one_worker(self) -> None:
         """Fault injection: end a worker task the way a bug would."""
@@ -165,12 +173,17 @@ class WorkerPool:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
+        if self._acker is not None and not self._acker.done():
+            # Let the acker finish the write in flight and flush the rest.
+            self._ack_wakeup.set()
+            await self._acker
+        await self._flush_acks()
         return left
 
     # claimer ---------------------------------------------------------------------
     async def _claim_loop(self) -> None:
         while True:
-            free = self._idle() - self._handoff.qsize()
+            free = self.alive + self._config.workers - self._busy - self._handoff.qsize()
             if free <= 0:
                 self._capacity.clear()
                 await self._capacity.wait()
@@ -190,9 +203,6 @@ class WorkerPool:
                 wait = STORE_RETRY_SECONDS
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), wait)
-
-    def _idle(self) -> int:
-        return self.alive - self._busy
 
     async def _seconds_until_due(self) -> float:
         due = await self._store.next_due_at()
@@ -251,14 +261,31 @@ class WorkerPool:
             await self._record_failure(job, error, fields)
             return
         fields["DURATION_MS"] = round((time.monotonic() - started) * 1000, 1)
-        try:
-            await self._store.complete(job.id)
-        except StoreError as exc:
-            # The job ran but is not marked done: it runs again later (at-least-once).
-            log.error("could not mark job done: %s", exc, extra=fields)
-            return
+        self._acks.append(job.id)
+        self._ack_wakeup.set()
         self.succeeded += 1
-        log.info("job succeeded", extra=fields)
+        # DEBUG: the job's own line ("email sent") already tells the journal.
+        log.debug("job succeeded", extra=fields)
+
+    # acker -----------------------------------------------------------------------
+    async def _ack_loop(self) -> None:
+        while not self._stopping:
+            await self._ack_wakeup.wait()
+            self._ack_wakeup.clear()
+            # Acks arriving while this write is in flight form the next batch.
+            await self._flush_acks()
+        await self._flush_acks()
+
+    async def _flush_acks(self) -> None:
+        ids, self._acks = self._acks, []
+        if not ids:
+            return
+        try:
+            await self._store.complete(ids)
+        except StoreError as exc:
+            # Those jobs ran but are not marked done: they run again later
+            # (delivery is at-least-once; the Message-ID tells duplicates apart).
+            log.error("could not mark jobs done: %s", exc, extra={"JOBS": len(ids)})
 
     async def _record_failure(self, job: Job, error: str, fields: dict[str, object]) -> None:
         fields = {**fields, "ERROR": error}

@@ -38,7 +38,8 @@ class Store(Protocol):
     async def claim(self, limit: int, lease_seconds: float) -> list[Job]:
         """Lease up to ``limit`` due jobs (pending and due, or running with an expired lease)."""
 
-    async def complete(self, job_id: int) -> None: ...
+    async def complete(self, job_ids: Sequence[int]) -> None:
+        """Mark jobs done (acks are batched: one write for many jobs)."""
 
     async def retry(self, job_id: int, error: str, run_at: float) -> None:
         """Put a failed attempt back as pending, due at ``run_at``."""

@@ -1,11 +1,20 @@
 """One writer thread that commits many callers' writes in one transaction.
 
 SQLite allows one writer at a time and each durable commit costs an fsync.
-Callers on the event loop hand a function to the writer and await a future;
-the writer takes everything queued since its last commit, runs each function
-inside its own SAVEPOINT (so one failing write does not undo the others), and
-commits the batch once. Under load many requests share one fsync: this is
-group commit, and it is why durability costs little throughput.
+Callers on the event loop hand a write to the writer and await a future; the
+writer takes everything queued since its last commit, runs it in one
+transaction and commits once. Under load many requests share one fsync: this
+is group commit, and it is why durability costs little throughput.
+
+A write is a *batch function* plus one argument: the writer gives each batch
+function all the arguments queued for it at once (``fn(conn, [a, b, c])`` must
+return one result per argument, in order), so N inserts can be one multi-row
+statement. That matters beyond SQLite's own cost: every statement releases
+and re-takes the GIL, and each re-take may wait behind the event loop.
+
+Should a batch function raise, the transaction is rolled back whole (nothing
+is half-written) and each write is retried alone, so one caller's failure
+costs the others nothing.
 """
 
 from __future__ import annotations
@@ -16,11 +25,13 @@ import logging
 import queue
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-T = TypeVar("T")
+A = TypeVar("A")
+R = TypeVar("R")
+BatchFn = Callable[[sqlite3.Connection, list[A]], Sequence[R]]
 log = logging.getLogger("toko.store")
 
 # Upper bound on one batch so a flood cannot hold the write lock for long.
@@ -29,12 +40,20 @@ MAX_BATCH = 512
 
 @dataclass
 class _Op:
-    fn: Callable[[sqlite3.Connection], Any]
+    fn: BatchFn[Any, Any]
+    arg: Any
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
 
 
+_Result = tuple[_Op, Any, BaseException | None]
 _STOP = object()
+
+
+class _BatchFailed(Exception):
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 class GroupCommitWriter:
@@ -54,16 +73,17 @@ class GroupCommitWriter:
         if self._start_error is not None:
             raise self._start_error
 
-    async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn(conn)`` in the next batch; return once that batch is durable."""
+    async def run(self, fn: BatchFn[A, R], arg: A) -> R:
+        """Run ``fn(conn, [..., arg, ...])`` in the next batch; return once it is durable."""
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError("the SQLite writer is not running")
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        self._ops.put(_Op(fn, future, loop))
+        future: asyncio.Future[R] = loop.create_future()
+        self._ops.put(_Op(fn, arg, future, loop))
         return await future
 
     def stop(self) -> None:
+        """Commit what is queued, then end the thread."""
         if self._thread is None:
             return
         self._ops.put(_STOP)
@@ -80,53 +100,45 @@ class GroupCommitWriter:
             return
         self._started.set()
         try:
-            while True:
+            stopping = False
+            while not stopping:
                 first = self._ops.get()
                 if first is _STOP:
                     return
                 batch = [first]
-                stop_after = False
                 while len(batch) < MAX_BATCH:
                     try:
                         nxt = self._ops.get_nowait()
                     except queue.Empty:
                         break
                     if nxt is _STOP:
-                        stop_after = True
+                        stopping = True
                         break
                     batch.append(nxt)
-                self._commit_batch(conn, [op for op in batch if isinstance(op, _Op)])
-                if stop_after:
-                    return
+                self._commit(conn, [op for op in batch if isinstance(op, _Op)])
         finally:
             conn.close()
 
-    def _commit_batch(self, conn: sqlite3.Connection, grouped: list[_Op]) -> None:
-        results: list[tuple[_Op, Any, BaseException | None]] = []
+    def _commit(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            for op in grouped:
-                conn.execute("SAVEPOINT op")
+            results = _run_in_transaction(conn, batch)
+        except _BatchFailed:
+            results = []
+            for op in batch:
                 try:
-                    value = op.fn(conn)
-                except Exception as exc:
-                    conn.execute("ROLLBACK TO op")
-                    conn.execute("RELEASE op")
+                    results.extend(_run_in_transaction(conn, [op]))
+                except _BatchFailed as failed:
+                    results.append((op, None, failed.cause))
+                except sqlite3.Error as exc:
                     results.append((op, None, exc))
-                else:
-                    conn.execute("RELEASE op")
-                    results.append((op, value, None))
-            conn.execute("COMMIT")
-        except Exception as exc:
-            # The batch as a whole did not commit: nobody's write is durable.
+        except sqlite3.Error as exc:
+            # The commit itself failed (disk full, I/O error): nothing is durable.
             log.error("SQLite commit failed: %s", exc)
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            results = [(op, None, exc) for op in grouped]
+            results = [(op, None, exc) for op in batch]
         self.batches += 1
-        self.ops += len(grouped)
+        self.ops += len(batch)
         # One hop back to each loop per batch, not one per caller.
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Op, Any, BaseException | None]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Result]] = {}
         for item in results:
             by_loop.setdefault(item[0].loop, []).append(item)
         for loop, items in by_loop.items():
@@ -135,7 +147,31 @@ class GroupCommitWriter:
                 loop.call_soon_threadsafe(_resolve_all, items)
 
 
-def _resolve_all(items: list[tuple[_Op, Any, BaseException | None]]) -> None:
+def _run_in_transaction(conn: sqlite3.Connection, batch: list[_Op]) -> list[_Result]:
+    """Run every batch function once over its arguments, then commit."""
+    groups: dict[BatchFn[Any, Any], list[_Op]] = {}
+    for op in batch:
+        groups.setdefault(op.fn, []).append(op)
+    results: list[_Result] = []
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for fn, ops in groups.items():
+            try:
+                values = fn(conn, [op.arg for op in ops])
+            except Exception as exc:
+                raise _BatchFailed(exc) from exc
+            if len(values) != len(ops):
+                raise _BatchFailed(RuntimeError(f"{fn.__name__} returned the wrong count"))
+            results.extend((op, value, None) for op, value in zip(ops, values, strict=True))
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return results
+
+
+def _resolve_all(items: list[_Result]) -> None:
     for op, value, exc in items:
         if not op.future.done():
             if exc is None:

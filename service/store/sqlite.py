@@ -28,10 +28,11 @@ from typing import Any, TypeVar
 
 from service.models import JOB_STATES, Job, NewJob, Product, QueueCounts
 from service.store.base import StoreError
-from service.store.group_commit import GroupCommitWriter
+from service.store.group_commit import BatchFn, GroupCommitWriter
 from service.store.migrations import migrate
 
 T = TypeVar("T")
+A = TypeVar("A")
 
 _JOB_COLUMNS = "id, kind, payload, state, attempts, max_attempts, run_at, last_error"
 
@@ -111,9 +112,9 @@ class SqliteStore:
         return self._writer.batches, self._writer.ops
 
     # plumbing ------------------------------------------------------------------
-    async def _write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def _write(self, fn: BatchFn[A, T], arg: A) -> T:
         try:
-            return await self._writer.run(fn)
+            return await self._writer.run(fn, arg)
         except sqlite3.Error as exc:
             raise StoreError(f"database write failed: {exc}") from exc
         except RuntimeError as exc:
@@ -141,18 +142,7 @@ class SqliteStore:
     async def create_product(
         self, nama: str, harga: int, make_job: Callable[[Product], NewJob]
     ) -> tuple[Product, int]:
-        now = self._clock()
-
-        def write(conn: sqlite3.Connection) -> tuple[Product, int]:
-            cur = conn.execute(
-                "INSERT INTO products (nama, harga, created_at) VALUES (?, ?, ?)",
-                (nama, harga, now),
-            )
-            assert cur.lastrowid is not None
-            product = Product(cur.lastrowid, nama, harga, now)
-            return product, _insert_job(conn, make_job(product), now)
-
-        return await self._write(write)
+        return await self._write(_create_products, (nama, harga, self._clock(), make_job))
 
     async def get_product(self, product_id: int) -> Product | None:
         def read(conn: sqlite3.Connection) -> Product | None:
@@ -190,89 +180,30 @@ class SqliteStore:
 
     # queue -----------------------------------------------------------------------
     async def enqueue(self, job: NewJob) -> int:
-        now = self._clock()
-        return await self._write(lambda conn: _insert_job(conn, job, now))
+        return await self._write(_insert_jobs, (job, self._clock()))
 
     async def claim(self, limit: int, lease_seconds: float) -> list[Job]:
         now = self._clock()
+        return await self._write(_claim, (limit, now, now + lease_seconds))
 
-        def write(conn: sqlite3.Connection) -> list[Job]:
-            rows = conn.execute(
-                f"""
-                UPDATE jobs
-                   SET state = 'running', attempts = attempts + 1,
-                       lease_until = :lease, updated_at = :now
-                 WHERE id IN (
-                       SELECT id FROM jobs WHERE state = 'pending' AND run_at <= :now
-                       UNION ALL
-                       SELECT id FROM jobs WHERE state = 'running' AND lease_until < :now
-                       ORDER BY id LIMIT :limit)
-                RETURNING {_JOB_COLUMNS}
-                """,
-                {"now": now, "lease": now + lease_seconds, "limit": limit},
-            ).fetchall()
-            return sorted((_job_from_row(row) for row in rows), key=lambda job: job.id)
-
-        return await self._write(write)
-
-    async def complete(self, job_id: int) -> None:
-        await self._set_state(job_id, "done", None, None)
+    async def complete(self, job_ids: Sequence[int]) -> None:
+        if job_ids:
+            await self._write(_complete, (list(job_ids), self._clock()))
 
     async def retry(self, job_id: int, error: str, run_at: float) -> None:
-        await self._set_state(job_id, "pending", error, run_at)
+        arg: StateArg = (job_id, "pending", error, run_at, self._clock())
+        await self._write(_set_state, arg)
 
     async def fail(self, job_id: int, error: str) -> None:
-        await self._set_state(job_id, "failed", error, None)
-
-    async def _set_state(
-        self, job_id: int, state: str, error: str | None, run_at: float | None
-    ) -> None:
-        now = self._clock()
-
-        def write(conn: sqlite3.Connection) -> None:
-            conn.execute(
-                """
-                UPDATE jobs SET state = ?, last_error = coalesce(?, last_error),
-                       run_at = coalesce(?, run_at), lease_until = NULL, updated_at = ?
-                 WHERE id = ?
-                """,
-                (state, error, run_at, now, job_id),
-            )
-
-        await self._write(write)
+        arg: StateArg = (job_id, "failed", error, None, self._clock())
+        await self._write(_set_state, arg)
 
     async def release(self, job_ids: Sequence[int]) -> None:
-        if not job_ids:
-            return
-        now = self._clock()
-        ids = list(job_ids)
-
-        def write(conn: sqlite3.Connection) -> None:
-            conn.executemany(
-                """
-                UPDATE jobs SET state = 'pending', attempts = max(attempts - 1, 0),
-                       lease_until = NULL, updated_at = ?
-                 WHERE id = ? AND state = 'running'
-                """,
-                [(now, job_id) for job_id in ids],
-            )
-
-        await self._write(write)
+        if job_ids:
+            await self._write(_release, (list(job_ids), self._clock()))
 
     async def recover_abandoned(self) -> int:
-        now = self._clock()
-
-        def write(conn: sqlite3.Connection) -> int:
-            # A single SQLite file has a single toko-api (it holds the instance
-            # lock), so any running job belongs to a process that is gone.
-            cur = conn.execute(
-                "UPDATE jobs SET state = 'pending', lease_until = NULL, updated_at = ? "
-                "WHERE state = 'running'",
-                (now,),
-            )
-            return cur.rowcount
-
-        return await self._write(write)
+        return await self._write(_recover_abandoned, self._clock())
 
     async def next_due_at(self) -> float | None:
         def read(conn: sqlite3.Connection) -> float | None:
@@ -313,28 +244,162 @@ class SqliteStore:
         self, period: str, products_total: int, products_new: int, job: NewJob
     ) -> int | None:
         """Record a period's recap and enqueue its email, once: None if already recorded."""
-        now = self._clock()
-
-        def write(conn: sqlite3.Connection) -> int | None:
-            exists = conn.execute("SELECT 1 FROM recaps WHERE period = ?", (period,)).fetchone()
-            if exists:
-                return None
-            job_id = _insert_job(conn, job, now)
-            conn.execute(
-                "INSERT INTO recaps (period, products_total, products_new, job_id, created_at) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (period, products_total, products_new, job_id, now),
-            )
-            return job_id
-
-        return await self._write(write)
+        return await self._write(
+            _record_recap, (period, products_total, products_new, job, self._clock())
+        )
 
 
-def _insert_job(conn: sqlite3.Connection, job: NewJob, now: float) -> int:
+# Batch functions for the group-commit writer: each takes every argument queued
+# for it since the last commit and returns one result per argument, in order.
+# Multi-row statements keep the statement count per commit low.
+
+
+def _values(rows: int, columns: int) -> str:
+    row = "(" + ", ".join("?" * columns) + ")"
+    return ", ".join([row] * rows)
+
+
+def _insert_returning_ids(
+    conn: sqlite3.Connection, table: str, columns: Sequence[str], rows: list[tuple[Any, ...]]
+) -> list[int]:
+    flat = [value for row in rows for value in row]
     cur = conn.execute(
-        "INSERT INTO jobs (kind, payload, max_attempts, run_at, created_at, updated_at) "
-        "VALUES (?, ?, ?, ?, ?, ?)",
-        (job.kind, json.dumps(job.payload), job.max_attempts, now, now, now),
+        f"INSERT INTO {table} ({', '.join(columns)}) "
+        f"VALUES {_values(len(rows), len(columns))} RETURNING id",
+        flat,
     )
-    assert cur.lastrowid is not None
-    return cur.lastrowid
+    # Rowids are handed out in increasing order within one statement, while we
+    # hold the write lock; RETURNING's own order is unspecified, so sort.
+    return sorted(row[0] for row in cur.fetchall())
+
+
+ProductArg = tuple[str, int, float, Callable[[Product], NewJob]]
+
+
+def _create_products(
+    conn: sqlite3.Connection, items: list[ProductArg]
+) -> list[tuple[Product, int]]:
+    ids = _insert_returning_ids(
+        conn,
+        "products",
+        ("nama", "harga", "created_at"),
+        [(nama, harga, now) for nama, harga, now, _ in items],
+    )
+    products = [
+        Product(pid, nama, harga, now)
+        for pid, (nama, harga, now, _) in zip(ids, items, strict=True)
+    ]
+    jobs = [(make_job(p), p.created_at) for p, (*_, make_job) in zip(products, items, strict=True)]
+    job_ids = _insert_jobs(conn, jobs)
+    return list(zip(products, job_ids, strict=True))
+
+
+def _insert_jobs(conn: sqlite3.Connection, items: list[tuple[NewJob, float]]) -> list[int]:
+    return _insert_returning_ids(
+        conn,
+        "jobs",
+        ("kind", "payload", "max_attempts", "run_at", "created_at", "updated_at"),
+        [(j.kind, json.dumps(j.payload), j.max_attempts, now, now, now) for j, now in items],
+    )
+
+
+def _claim(conn: sqlite3.Connection, items: list[tuple[int, float, float]]) -> list[list[Job]]:
+    claimed = []
+    for limit, now, lease in items:
+        rows = conn.execute(
+            f"""
+            UPDATE jobs
+               SET state = 'running', attempts = attempts + 1,
+                   lease_until = :lease, updated_at = :now
+             WHERE id IN (
+                   -- Each side stops after :limit rows of the (state, run_at)
+                   -- index, so a claim costs the same with a backlog of millions.
+                   SELECT id FROM (
+                       SELECT id FROM jobs WHERE state = 'pending' AND run_at <= :now
+                        ORDER BY run_at, id LIMIT :limit)
+                   UNION ALL
+                   SELECT id FROM (
+                       SELECT id FROM jobs WHERE state = 'running' AND lease_until < :now
+                        LIMIT :limit)
+                   LIMIT :limit)
+            RETURNING {_JOB_COLUMNS}
+            """,
+            {"now": now, "lease": lease, "limit": limit},
+        ).fetchall()
+        claimed.append(sorted((_job_from_row(row) for row in rows), key=lambda job: job.id))
+    return claimed
+
+
+def _ids_in_chunks(ids: list[int], size: int = 500) -> list[list[int]]:
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
+
+
+def _complete(conn: sqlite3.Connection, items: list[tuple[list[int], float]]) -> list[None]:
+    now = max(now for _, now in items)
+    for chunk in _ids_in_chunks([job_id for ids, _ in items for job_id in ids]):
+        conn.execute(
+            "UPDATE jobs SET state = 'done', lease_until = NULL, updated_at = ? "
+            f"WHERE id IN ({', '.join('?' * len(chunk))})",
+            [now, *chunk],
+        )
+    return [None] * len(items)
+
+
+StateArg = tuple[int, str, str | None, float | None, float]
+
+
+def _set_state(conn: sqlite3.Connection, items: list[StateArg]) -> list[None]:
+    conn.executemany(
+        """
+        UPDATE jobs SET state = ?, last_error = coalesce(?, last_error),
+               run_at = coalesce(?, run_at), lease_until = NULL, updated_at = ?
+         WHERE id = ?
+        """,
+        [(state, error, run_at, now, job_id) for job_id, state, error, run_at, now in items],
+    )
+    return [None] * len(items)
+
+
+def _release(conn: sqlite3.Connection, items: list[tuple[list[int], float]]) -> list[None]:
+    conn.executemany(
+        """
+        UPDATE jobs SET state = 'pending', attempts = max(attempts - 1, 0),
+               lease_until = NULL, updated_at = ?
+         WHERE id = ? AND state = 'running'
+        """,
+        [(now, job_id) for ids, now in items for job_id in ids],
+    )
+    return [None] * len(items)
+
+
+def _recover_abandoned(conn: sqlite3.Connection, items: list[float]) -> list[int]:
+    # A single SQLite file has a single toko-api (it holds the instance lock),
+    # so any running job belongs to a process that is gone.
+    counts = []
+    for now in items:
+        cur = conn.execute(
+            "UPDATE jobs SET state = 'pending', lease_until = NULL, updated_at = ? "
+            "WHERE state = 'running'",
+            (now,),
+        )
+        counts.append(cur.rowcount)
+    return counts
+
+
+RecapArg = tuple[str, int, int, NewJob, float]
+
+
+def _record_recap(conn: sqlite3.Connection, items: list[RecapArg]) -> list[int | None]:
+    results: list[int | None] = []
+    for period, total, new, job, now in items:
+        if conn.execute("SELECT 1 FROM recaps WHERE period = ?", (period,)).fetchone():
+            results.append(None)
+            continue
+        (job_id,) = _insert_jobs(conn, [(job, now)])
+        conn.execute(
+            "INSERT INTO recaps (period, products_total, products_new, job_id, created_at) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (period, total, new, job_id, now),
+        )
+        results.append(job_id)
+    return results

@@ -3,11 +3,11 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
-from email.message import EmailMessage
 
 import pytest
 
 from service import workers
+from service.mail import Email
 from service.models import Job, NewJob
 from service.store.sqlite import SqliteStore
 from service.tasks import JobContext
@@ -15,7 +15,7 @@ from service.workers import PoolConfig, WorkerPool, backoff_delay
 
 
 class NoMail:
-    async def send(self, msg: EmailMessage) -> None:
+    async def send(self, email: Email) -> None:
         raise AssertionError("these tests do not send mail")
 
 
