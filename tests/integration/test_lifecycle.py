@@ -6,6 +6,7 @@ a real AF_UNIX datagram socket (tests.support.notify).
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import subprocess
@@ -222,6 +223,51 @@ async def test_killed_worker_is_logged_and_replaced(
         lambda xs: len(_watchdogs_after(list(xs), replaced_seen)) >= 2, timeout=5, what="pings"
     )
     assert mid
+
+
+async def test_watchdog_only_while_every_worker_is_alive(service_factory: ServiceFactory) -> None:
+    """Kill workers over and over: pings and health must agree about the pool.
+
+    Whatever replacement policy the service has, WATCHDOG=1 may only go on while
+    /healthz reports every configured worker alive; once it does not, systemd
+    must be left to restart the service (no pings).
+    """
+    usec = 400_000
+    svc = service_factory(
+        {"TOKO_FAULT_INJECTION": "1", "TOKO_WORKERS": "2"}, watchdog_usec=usec
+    ).start()
+    await svc.async_wait_ready(timeout=20)
+    assert svc.notify is not None
+    kills = 0
+    async with aiohttp.ClientSession() as session:
+        code, body = await healthz(session, svc.base_url)
+        while kills < 10 and code == 200:
+            kills += 1
+            svc.send_signal(signal.SIGUSR1)
+            await svc.logs.async_wait_for(
+                lambda xs, k=kills: [r for r in xs if r.get("message") == "worker died"][k - 1 :],
+                timeout=10,
+                what=f"worker death #{kills}",
+            )
+            # A replacement may still be starting: let the pool settle (no event for it).
+            deadline = time.monotonic() + 3
+            while True:
+                code, body = await healthz(session, svc.base_url)
+                whole = code == 200 and body["workers"]["alive"] == body["workers"]["configured"]
+                if whole or code != 200 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+    observed = time.monotonic()
+    await asyncio.sleep(5 * usec / 1e6)  # a window of ~10 expected pings, measured below
+    svc.notify.flush()
+    pings = svc.notify.count("WATCHDOG", since=observed + usec / 1e6)
+    print(f"after {kills} worker kills: healthz {code} {body}; {pings} pings in the window")
+    if code == 200 and body["workers"]["alive"] == body["workers"]["configured"]:
+        assert pings >= 5, "all workers alive, yet the watchdog pings stopped"
+    else:
+        assert code == 503, f"workers dead but /healthz says {code}: {body}"
+        assert pings == 0, f"{pings} WATCHDOG=1 sent while the pool is not whole"
+    assert svc.returncode is None
 
 
 BAD_CONFIG = [
