@@ -91,16 +91,23 @@ class SmtpMailer:
     async def send(self, email: Email) -> None:
         target = self._target
         msg = email.to_mime()
+        client = aiosmtplib.SMTP(
+            hostname=target.host,
+            port=target.port,
+            username=target.username,
+            password=target.password,
+            use_tls=target.use_tls,
+            timeout=self._timeout,
+        )
         try:
-            await aiosmtplib.send(
-                msg,
-                hostname=target.host,
-                port=target.port,
-                username=target.username,
-                password=target.password,
-                use_tls=target.use_tls,
-                timeout=self._timeout,
-            )
+            try:
+                await client.connect()
+                await client.send_message(msg)
+            except BaseException:
+                # Abort at once: aiosmtplib's own clean-up would wait for a
+                # QUIT reply, which stalls a cancelled send (a drain) for long.
+                client.close()
+                raise
         except aiosmtplib.SMTPResponseException as exc:
             raise MailError(
                 f"SMTP {exc.code}: {exc.message}", permanent=500 <= exc.code < 600
@@ -112,4 +119,10 @@ class SmtpMailer:
             ) from exc
         except (aiosmtplib.SMTPException, OSError) as exc:
             raise MailError(f"SMTP delivery failed: {exc}") from exc
+        try:
+            await client.quit()
+        except (aiosmtplib.SMTPException, OSError):
+            pass  # the message is already accepted; a failed goodbye changes nothing
+        finally:
+            client.close()
         log.info("email sent", extra=email.log_fields())

@@ -32,6 +32,10 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidInput(
             f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
+    except ValueError as exc:  # e.g. an integer of thousands of digits
+        raise InvalidInput(f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("body is nested too deeply to be a product") from None
     if not isinstance(value, dict):
         raise InvalidInput(f"body must be a JSON object, not {_json_type(value)}")
     return value

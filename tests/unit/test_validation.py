@@ -47,6 +47,8 @@ def test_invalid_products_say_what_is_wrong(data: dict[str, Any], fragment: str)
         (b"null", "not null"),
         (b'"text"', "not a string"),
         (b'{"harga": NaN}', "NaN is not a JSON number"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"harga": ' + b"9" * 5000 + b"}", "not valid JSON"),
     ],
 )
 def test_bodies_that_are_not_json_objects(body: bytes, fragment: str) -> None:
