@@ -14,8 +14,8 @@ from datetime import date, datetime, timedelta
 
 from jobs.common import JobFailed, run_job
 from service.settings import Settings
+from service.store import open_store
 from service.store.base import StoreError
-from service.store.sqlite import SqliteStore
 from service.tasks import recap_email_job
 
 log = logging.getLogger("toko.recap")
@@ -37,7 +37,7 @@ def period_bounds(day: date) -> tuple[float, float]:
 
 async def record(settings: Settings, day: date) -> int | None:
     start, end = period_bounds(day)
-    store = SqliteStore(settings.database)
+    store = open_store(settings)
     await store.open()
     try:
         total, new = await store.product_counts(start, end)

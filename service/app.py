@@ -12,8 +12,7 @@ from service.keys import NOTIFIER, POOL, SETTINGS, STORE
 from service.mail import LogMailer, Mailer, SmtpMailer
 from service.routes import routes
 from service.settings import Settings
-from service.store.base import Store
-from service.store.sqlite import SqliteStore
+from service.store import open_store
 from service.systemd import Notifier
 from service.tasks import HANDLERS, JobContext
 from service.workers import PoolConfig, WorkerPool
@@ -22,12 +21,6 @@ log = logging.getLogger("toko.app")
 
 # How much longer systemd should wait each time we report drain progress.
 EXTEND_STOP_SECONDS = 3.0
-
-
-def open_store(settings: Settings) -> Store:
-    if settings.is_postgres:
-        raise NotImplementedError("the PostgreSQL backend is not part of this release")
-    return SqliteStore(settings.database)
 
 
 def make_mailer(settings: Settings) -> Mailer:
@@ -67,6 +60,7 @@ async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
         backoff_base=settings.job_backoff,
     )
     pool = WorkerPool(app[STORE], context, HANDLERS, config)
+    app[STORE].add_wakeup_listener(pool.notify)
     await pool.start()
     app[POOL] = pool
     yield

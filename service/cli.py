@@ -60,9 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     setup_logging(settings.log_level, journal=settings.journal, identifier="toko-api")
     log = logging.getLogger("toko")
-    lock = InstanceLock(settings.database)
+    # The lock guards a SQLite file; a shared database has many instances by design.
+    lock = InstanceLock(settings.database) if not settings.is_postgres else None
     try:
-        lock.acquire()
+        if lock is not None:
+            lock.acquire()
     except InstanceLocked as exc:
         print(f"toko-api: another toko-api uses this database: {exc}", file=sys.stderr)
         return 1
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ class Settings:
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
     database: str = "var/toko.db"
+    # PostgreSQL password when not in the URL: systemd credential or file, never env.
+    database_password: str | None = None
     smtp: SmtpTarget | None = None
     admin_email: str = "admin@toko.com"
     mail_from: str = "toko@localhost"
@@ -72,6 +74,7 @@ class Settings:
             listen_host=host,
             listen_port=port,
             database=database,
+            database_password=_secret_file(environ, "TOKO_DATABASE_PASSWORD_FILE", "db-password"),
             smtp=_smtp_from_env(environ),
             admin_email=env.get("TOKO_ADMIN_EMAIL", _parse_email, "admin@toko.com"),
             mail_from=env.get("TOKO_MAIL_FROM", _parse_email, "toko@localhost"),
@@ -195,14 +198,18 @@ def _smtp_from_env(environ: Mapping[str, str]) -> SmtpTarget | None:
 
 
 def _smtp_password(environ: Mapping[str, str]) -> str | None:
-    """The SMTP password, from a systemd credential or a file, never from env."""
+    return _secret_file(environ, "TOKO_SMTP_PASSWORD_FILE", "smtp-password")
+
+
+def _secret_file(environ: Mapping[str, str], file_variable: str, credential: str) -> str | None:
+    """A secret from the file ``file_variable`` names, else from a systemd credential."""
     candidates: list[tuple[str, Path]] = []
-    if environ.get("TOKO_SMTP_PASSWORD_FILE"):
-        candidates.append(("TOKO_SMTP_PASSWORD_FILE", Path(environ["TOKO_SMTP_PASSWORD_FILE"])))
+    if environ.get(file_variable):
+        candidates.append((file_variable, Path(environ[file_variable])))
     if environ.get("CREDENTIALS_DIRECTORY"):
-        path = Path(environ["CREDENTIALS_DIRECTORY"]) / "smtp-password"
+        path = Path(environ["CREDENTIALS_DIRECTORY"]) / credential
         if path.exists():
-            candidates.append(("CREDENTIALS_DIRECTORY/smtp-password", path))
+            candidates.append((f"CREDENTIALS_DIRECTORY/{credential}", path))
     for name, path in candidates:
         try:
             return path.read_text(encoding="utf-8").strip()

@@ -32,6 +32,9 @@ class Store(Protocol):
 
     async def list_products(self, after_id: int, limit: int) -> list[Product]: ...
 
+    async def product_counts(self, start: float, end: float) -> tuple[int, int]:
+        """(products created before ``end``, products created in [start, end))."""
+
     # queue ----------------------------------------------------------------
     async def enqueue(self, job: NewJob) -> int: ...
 
@@ -51,12 +54,35 @@ class Store(Protocol):
         """Return claimed-but-unstarted jobs to pending without counting an attempt."""
 
     async def recover_abandoned(self) -> int:
-        """At start-up: jobs left running by a dead process become pending again."""
+        """At start-up: jobs left running by a dead process become pending again.
+
+        SQLite (one toko-api per file) re-queues every running job. A shared
+        backend must not touch jobs other live instances hold: there, expired
+        leases alone bring jobs back, and this returns 0.
+        """
 
     async def next_due_at(self) -> float | None:
         """When the earliest pending job falls due (None when there is none)."""
 
     async def counts(self) -> QueueCounts: ...
 
+    def add_wakeup_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when another process enqueues a job (LISTEN/NOTIFY).
+
+        In-process enqueues wake the pool directly; a store that cannot hear
+        other processes does nothing here and the pool's sweep catches up.
+        """
+
+    async def get_job(self, job_id: int) -> Job | None: ...
+
     async def ping(self) -> None:
         """Raise StoreError unless the store answers."""
+
+    # recaps ---------------------------------------------------------------
+    async def record_recap(
+        self, period: str, products_total: int, products_new: int, job: NewJob
+    ) -> int | None:
+        """Record a period's recap and enqueue its email once; None if already recorded.
+
+        Must hold across processes and hosts: two runs for one period record one row.
+        """

@@ -205,6 +205,10 @@ class SqliteStore:
     async def recover_abandoned(self) -> int:
         return await self._write(_recover_abandoned, self._clock())
 
+    def add_wakeup_listener(self, callback: Callable[[], None]) -> None:
+        # Other processes (toko-recap) are heard by the pool's one-second sweep.
+        pass
+
     async def next_due_at(self) -> float | None:
         def read(conn: sqlite3.Connection) -> float | None:
             (due,) = conn.execute("SELECT min(run_at) FROM jobs WHERE state = 'pending'").fetchone()
