@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report, scenario_backlog, scenario_startup, scenario_throughput
-from bench.procs import REPO, install_sigterm_as_interrupt, venv_bin
+from bench.procs import REPO, fsync_probe, install_sigterm_as_interrupt, venv_bin
 from bench.toko import TokoCommand, snapshot
 
 SCENARIOS = ("throughput", "backlog", "startup")
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": _machine(),
             "git": toko.revision,
             "loadavg_before": os.getloadavg(),
+            "fsync_before": fsync_probe(workdir),
             "toko_cmd": toko.argv,
             "smoke": args.smoke,
             "workdir": str(workdir),
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         results["meta"]["loadavg_after"] = os.getloadavg()
+        results["meta"]["fsync_after"] = fsync_probe(workdir)
         _write(results, results_dir, stamp)
         if snapdir is not None:
             shutil.rmtree(snapdir, ignore_errors=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -213,3 +214,78 @@ def cpu_seconds(pid: int) -> float:
     fields = raw[raw.rindex(")") + 2 :].split()
     ticks = os.sysconf("SC_CLK_TCK")
     return (int(fields[11]) + int(fields[12])) / ticks
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """CPU seconds so far: the whole machine (busy), one process, and reaped children."""
+
+    at: float
+    machine_busy_s: float
+    process_s: float
+    children_s: float
+    self_s: float
+
+
+def cpu_snapshot(pid: int) -> CpuSnapshot:
+    ticks = os.sysconf("SC_CLK_TCK")
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    values = [int(v) for v in fields]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    busy = (sum(values[:8]) - idle) / ticks  # guest time is already in user
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return CpuSnapshot(
+        at=time.monotonic(),
+        machine_busy_s=busy,
+        process_s=cpu_seconds(pid),
+        children_s=children.ru_utime + children.ru_stime,
+        self_s=me.ru_utime + me.ru_stime,
+    )
+
+
+def cpu_usage(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
+    """Percent of one core used by the server, reaped children (wrk), the bench, and the rest.
+
+    ``others_pct`` is what other users of this shared machine took meanwhile:
+    the noise indicator of a run.
+    """
+    wall = max(after.at - before.at, 1e-9)
+
+    def pct(a: float, b: float) -> float:
+        return (b - a) / wall * 100
+
+    server = pct(before.process_s, after.process_s)
+    children = pct(before.children_s, after.children_s)
+    me = pct(before.self_s, after.self_s)
+    machine = pct(before.machine_busy_s, after.machine_busy_s)
+    return {
+        "server_pct": round(server, 1),
+        "children_pct": round(children, 1),
+        "bench_pct": round(me, 1),
+        "machine_pct": round(machine, 1),
+        "others_pct": round(max(0.0, machine - server - children - me), 1),
+        "cores": float(os.cpu_count() or 1),
+    }
+
+
+def fsync_probe(directory: Path, count: int = 50) -> dict[str, float]:
+    """fsync latency of 4 KiB appends in ``directory``: what a durable commit waits for."""
+    path = directory / ".fsync-probe"
+    times: list[float] = []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for _ in range(count):
+            os.write(fd, b"x" * 4096)
+            t0 = time.perf_counter()
+            os.fsync(fd)
+            times.append((time.perf_counter() - t0) * 1000)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    times.sort()
+    return {
+        "p50_ms": round(times[len(times) // 2], 3),
+        "p90_ms": round(times[int(len(times) * 0.9)], 3),
+        "max_ms": round(times[-1], 3),
+    }

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import open_loop
-from bench.procs import cpu_seconds
+from bench.procs import cpu_snapshot, cpu_usage
 from bench.sink import read_record, smtp_sink
 from bench.toko import TokoCommand, running, toko_target
 
@@ -132,7 +132,7 @@ def run(cfg: BacklogConfig, workdir: Path) -> dict[str, Any]:
     with smtp_sink(workdir, "smtp-slow", cfg.email_delay_s, record) as sink:
         target = toko_target(cfg.toko, db, workers=cfg.workers, smtp_url=sink.url)
         with running(target, workdir / "toko-api.log") as api:
-            cpu0 = cpu_seconds(api.pid)
+            cpu0 = cpu_snapshot(api.pid)
             t_start = time.time()
             print(
                 f"  offering {cfg.rate:g} req/s for {cfg.duration_s:g} s "
@@ -148,16 +148,15 @@ def run(cfg: BacklogConfig, workdir: Path) -> dict[str, Any]:
                     max_connections=cfg.max_connections,
                 )
             )
-            cpu_load = cpu_seconds(api.pid) - cpu0
             summary = load.summary()
-            summary["toko_cpu_s"] = cpu_load
-            summary["toko_cpu_pct_of_one_core"] = 100.0 * cpu_load / max(load.wall_s, 1e-9)
+            summary["cpu"] = cpu = cpu_usage(cpu0, cpu_snapshot(api.pid))
             out["load"] = summary
             lat = summary.get("latency_ms", {})
             print(
                 f"  load done: {summary['ok_201']}/{summary['requests']} x 201, "
                 f"p50 {lat.get('p50', 0):.2f} ms, p99 {lat.get('p99', 0):.2f} ms, "
-                f"max {lat.get('max', 0):.1f} ms; settling {cfg.settle_s:g} s",
+                f"max {lat.get('max', 0):.1f} ms; cpu%: toko {cpu['server_pct']:.0f}, "
+                f"bench {cpu['bench_pct']:.0f}, others {cpu['others_pct']:.0f}",
                 flush=True,
             )
             worst = sorted(summary["per_second"], key=lambda b: b["p99_ms"])[-3:]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.procs import Managed, base_env, free_port
+from bench.procs import Managed, base_env, cpu_snapshot, cpu_usage, free_port
 from bench.sink import smtp_sink
 from bench.stats import median, spread
 from bench.toko import Target, TokoCommand, running, toko_target
@@ -85,6 +85,7 @@ def _measure(
                 token=f"{label}-warm",
                 log=wrk_log,
             )
+        cpu0 = cpu_snapshot(proc.pid)
         result = run_wrk(
             url,
             script=script,
@@ -94,13 +95,17 @@ def _measure(
             token=label,
             log=wrk_log,
         )
+        cpu = cpu_usage(cpu0, cpu_snapshot(proc.pid))
         if _stopped_early(proc):
             raise Disturbed(f"{target.name} stopped during the measurement (signal from outside?)")
         if before_stop is not None:
             before_stop()
         rc = proc.stop()
-    stop = {"exit_code": rc, "stop_s": proc.stop_seconds, "killed": proc.killed}
-    return result, stop
+    extra = {
+        "stop": {"exit_code": rc, "stop_s": proc.stop_seconds, "killed": proc.killed},
+        "cpu": cpu,
+    }
+    return result, extra
 
 
 def _measure_retrying(
@@ -152,17 +157,18 @@ def run(cfg: ThroughputConfig, workdir: Path) -> dict[str, Any]:
                     before_stop = sink.proc.stop
                 else:
                     target = baseline_target()
-                res, stop = _measure_retrying(target, cfg, workdir, label, script, before_stop)
-            entry = res.to_json()
-            entry["stop"] = stop
+                res, extra = _measure_retrying(target, cfg, workdir, label, script, before_stop)
+            entry = res.to_json() | extra
             if db is not None:
                 # Warm-up and measured requests all committed a row.
                 entry["rows_in_db"] = count_products(db)
             rnd[which] = entry
+            cpu = extra["cpu"]
             print(
                 f"  round {i + 1} {which:11s} {res.rps:8.0f} req/s  "
                 f"p50 {res.latency_ms['p50']:.2f} ms  p99 {res.latency_ms['p99']:.2f} ms  "
-                f"errors {res.error_count}",
+                f"errors {res.error_count}  cpu%: server {cpu['server_pct']:.0f}, "
+                f"wrk {cpu['children_pct']:.0f}, others {cpu['others_pct']:.0f}",
                 flush=True,
             )
         rnd["ratio"] = rnd["toko"]["rps"] / rnd["baseline"]["rps"]
