@@ -8,10 +8,20 @@ from service.store.base import Store, StoreError
 __all__ = ["Store", "StoreError", "open_store"]
 
 
-def open_store(settings: Settings) -> Store:
-    """The store TOKO_DATABASE names (not yet opened: call ``await store.open()``)."""
+def open_store(settings: Settings, *, application_name: str = "toko-api") -> Store:
+    """The store TOKO_DATABASE names (not yet opened: call ``await store.open()``).
+
+    ``application_name`` labels PostgreSQL connections (pg_stat_activity), so
+    ``toko-backup --restore`` can tell that a toko-api is connected.
+    """
     if settings.is_postgres:
-        raise StoreError("the PostgreSQL backend is not part of this release")
+        from service.store.postgres import PostgresStore
+
+        return PostgresStore(
+            settings.database,
+            password=settings.database_password,
+            application_name=application_name,
+        )
     from service.store.sqlite import SqliteStore
 
     return SqliteStore(settings.database)

@@ -1,11 +1,26 @@
+"""Store and queue tests run twice: on SQLite and on a real PostgreSQL.
+
+The ``store`` fixture is parametrised by backend; ``backend`` gives a test what
+differs (how to look at the rows, how to break the database). SQLite-only
+tests (PRAGMAs, the file) use ``sqlite_store``.
+"""
+
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import sqlite3
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from service.store.base import Store
+from service.store.migrations import LATEST_VERSION as SQLITE_LATEST
+from service.store.pg_migrations import LATEST_VERSION as PG_LATEST
+from service.store.postgres import PostgresStore
 from service.store.sqlite import SqliteStore
+from tests.support.postgres import PostgresCluster, acquire_cluster, fetch, release_cluster
 
 
 class FakeClock:
@@ -23,8 +38,116 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
+class Backend:
+    name: str
+    latest_version: int
+
+    def make_store(self, clock: Callable[[], float] | None = None) -> Store:
+        raise NotImplementedError
+
+    async def rows(self, sql: str) -> list[tuple[Any, ...]]:
+        """Rows of ``sql`` read through a connection of its own (so: committed)."""
+        raise NotImplementedError
+
+    async def schema_version(self) -> int:
+        raise NotImplementedError
+
+    async def make_future_schema(self) -> None:
+        """Mark the (empty) database as migrated by a newer toko."""
+        raise NotImplementedError
+
+    def unopenable_store(self) -> tuple[Store, str]:
+        """A store that cannot open, and the message StoreError must match."""
+        raise NotImplementedError
+
+
+class SqliteBackend(Backend):
+    name = "sqlite"
+    latest_version = SQLITE_LATEST
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.path = str(folder / "toko.db")
+
+    def make_store(self, clock: Callable[[], float] | None = None) -> Store:
+        return SqliteStore(self.path, clock=clock) if clock else SqliteStore(self.path)
+
+    async def rows(self, sql: str) -> list[tuple[Any, ...]]:
+        with closing(sqlite3.connect(self.path)) as conn:
+            return [tuple(row) for row in conn.execute(sql).fetchall()]
+
+    async def schema_version(self) -> int:
+        return int((await self.rows("PRAGMA user_version"))[0][0])
+
+    async def make_future_schema(self) -> None:
+        with closing(sqlite3.connect(self.path)) as conn:
+            conn.execute(f"PRAGMA user_version = {SQLITE_LATEST + 1}")
+
+    def unopenable_store(self) -> tuple[Store, str]:
+        (self.folder / "file").write_text("x")
+        return SqliteStore(str(self.folder / "file" / "toko.db")), "cannot open database"
+
+
+class PostgresBackend(Backend):
+    name = "postgres"
+    latest_version = PG_LATEST
+
+    def __init__(self, cluster: PostgresCluster, url: str) -> None:
+        self.cluster = cluster
+        self.url = url
+
+    def make_store(self, clock: Callable[[], float] | None = None) -> Store:
+        password = self.cluster.password
+        if clock:
+            return PostgresStore(self.url, password=password, clock=clock)
+        return PostgresStore(self.url, password=password)
+
+    async def rows(self, sql: str) -> list[tuple[Any, ...]]:
+        return await fetch(self.cluster, self.url, sql)
+
+    async def schema_version(self) -> int:
+        return int((await self.rows("SELECT version FROM toko_schema"))[0][0])
+
+    async def make_future_schema(self) -> None:
+        await self.rows(
+            "CREATE TABLE toko_schema (one boolean PRIMARY KEY DEFAULT true, version integer);"
+        )
+        await self.rows(f"INSERT INTO toko_schema (version) VALUES ({PG_LATEST + 1})")
+
+    def unopenable_store(self) -> tuple[Store, str]:
+        # The right server, the wrong password: refused at authentication.
+        return PostgresStore(self.url, password="wrong"), "cannot open database"
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PostgresCluster]:
+    cluster = acquire_cluster()
+    yield cluster
+    release_cluster()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
+    if request.param == "sqlite":
+        yield SqliteBackend(tmp_path)
+        return
+    # Looked up here, so a run of SQLite tests alone never starts PostgreSQL.
+    cluster: PostgresCluster = request.getfixturevalue("pg_cluster")
+    url = await cluster.async_create_database()
+    yield PostgresBackend(cluster, url)
+    await cluster.async_drop_database(url)
+
+
 @pytest.fixture
-async def store(tmp_path: Path, clock: FakeClock) -> AsyncIterator[SqliteStore]:
+async def store(backend: Backend, clock: FakeClock) -> AsyncIterator[Store]:
+    s = backend.make_store(clock)
+    await s.open()
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+async def sqlite_store(tmp_path: Path, clock: FakeClock) -> AsyncIterator[SqliteStore]:
     s = SqliteStore(str(tmp_path / "toko.db"), clock=clock)
     await s.open()
     yield s

@@ -1,0 +1,101 @@
+"""Versioned PostgreSQL schema. Append new steps; never edit a shipped one.
+
+The applied version lives in ``toko_schema``. Several toko-api instances may
+start at once against one database: the whole upgrade runs in one transaction
+that first takes an advisory lock, so one instance migrates while the others
+wait and then find nothing left to do. DDL is transactional in PostgreSQL, so
+a crash mid-upgrade leaves the previous version intact.
+
+Times are epoch seconds (``double precision``), as in the SQLite schema, so
+both backends share the models and the clock the tests set.
+"""
+
+from __future__ import annotations
+
+import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
+
+# pg_advisory_xact_lock keys: "toko" in ASCII, then what the lock guards.
+LOCK_NAMESPACE = 0x746F6B6F
+MIGRATION_LOCK = (LOCK_NAMESPACE << 16) | 1
+# The recap lock uses the two-int form: (RECAP_LOCK_CLASS, hashtext(period)).
+RECAP_LOCK_CLASS = 0x746F6B72
+
+# Sent in the enqueuing transaction (a trigger, so every path that inserts a
+# job notifies): listeners hear it only once the job is committed.
+JOBS_CHANNEL = "toko_jobs"
+
+MIGRATIONS: tuple[str, ...] = (
+    # 1: products, the job queue (the transactional outbox), recaps, and the
+    #    NOTIFY that wakes idle workers on every instance.
+    f"""
+    CREATE TABLE products (
+        id         bigserial PRIMARY KEY,
+        nama       text      NOT NULL,
+        harga      bigint    NOT NULL CHECK (harga >= 0),
+        created_at double precision NOT NULL
+    );
+    CREATE INDEX products_created_at ON products (created_at);
+    CREATE TABLE jobs (
+        id           bigserial PRIMARY KEY,
+        kind         text      NOT NULL,
+        payload      jsonb     NOT NULL,
+        state        text      NOT NULL DEFAULT 'pending'
+                     CHECK (state IN ('pending', 'running', 'done', 'failed')),
+        attempts     integer   NOT NULL DEFAULT 0,
+        max_attempts integer   NOT NULL,
+        run_at       double precision NOT NULL,
+        lease_until  double precision,
+        last_error   text,
+        created_at   double precision NOT NULL,
+        updated_at   double precision NOT NULL
+    );
+    -- Partial indexes: a claim reads only due or expired rows, however many are done.
+    CREATE INDEX jobs_pending_due ON jobs (run_at, id) WHERE state = 'pending';
+    CREATE INDEX jobs_running_lease ON jobs (lease_until) WHERE state = 'running';
+    CREATE TABLE recaps (
+        period         text    PRIMARY KEY,
+        products_total bigint  NOT NULL,
+        products_new   bigint  NOT NULL,
+        job_id         bigint  REFERENCES jobs (id),
+        created_at     double precision NOT NULL
+    );
+    CREATE FUNCTION toko_notify_jobs() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        PERFORM pg_notify('{JOBS_CHANNEL}', '');
+        RETURN NULL;
+    END
+    $$;
+    CREATE TRIGGER jobs_notify AFTER INSERT ON jobs
+        FOR EACH STATEMENT EXECUTE FUNCTION toko_notify_jobs();
+    """,
+)
+
+LATEST_VERSION = len(MIGRATIONS)
+
+
+class SchemaTooNew(RuntimeError):
+    pass
+
+
+async def migrate(conn: asyncpg.Connection) -> int:
+    """Bring the schema up to date; return the version it was at before."""
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS toko_schema ("
+            " one boolean PRIMARY KEY DEFAULT true CHECK (one),"
+            " version integer NOT NULL)"
+        )
+        before = await conn.fetchval("SELECT version FROM toko_schema")
+        if before is None:
+            before = 0
+            await conn.execute("INSERT INTO toko_schema (version) VALUES (0)")
+        if before > LATEST_VERSION:
+            raise SchemaTooNew(
+                f"database schema version {before} is newer than this toko ({LATEST_VERSION}); "
+                "upgrade toko or restore a matching backup"
+            )
+        for version in range(before + 1, LATEST_VERSION + 1):
+            await conn.execute(MIGRATIONS[version - 1])
+            await conn.execute("UPDATE toko_schema SET version = $1", version)
+    return int(before)

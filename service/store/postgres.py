@@ -1,0 +1,496 @@
+"""The PostgreSQL store: one database shared by toko-api on several hosts.
+
+Same contract as the SQLite store, through asyncpg (no thread, no blocking):
+
+- ``create_product`` goes through a group-commit writer task: the product
+  and job rows of every request queued since the last commit are inserted by
+  one statement (one implicit transaction), so a burst of requests shares one
+  WAL flush and one NOTIFY. That matters: PostgreSQL serialises the commits of
+  transactions that NOTIFY, so one transaction per request would cap
+  throughput at one fsync per request.
+- Claims lease due jobs with ``FOR UPDATE SKIP LOCKED``: workers on every
+  instance take disjoint jobs without waiting on each other. Leases of a dead
+  instance expire and the next claim anywhere takes those jobs; nothing else
+  re-queues, since a running job may belong to a live instance elsewhere.
+- A trigger NOTIFYs ``toko_jobs`` in every transaction that inserts jobs;
+  :meth:`add_wakeup_listener` LISTENs on a dedicated connection (reconnecting
+  when it drops) so idle workers everywhere wake at once.
+- Recaps take a transaction-scoped advisory lock on the period, then insert
+  the period's unique row: three hosts racing record one row, one email job.
+
+Times are epoch seconds from the injected clock, as on SQLite; hosts sharing
+a database need synchronised clocks (NTP), which leases tolerate by minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
+
+from service.models import JOB_STATES, Job, NewJob, Product, QueueCounts
+from service.store.base import StoreError
+from service.store.pg_migrations import JOBS_CHANNEL, RECAP_LOCK_CLASS, SchemaTooNew, migrate
+
+T = TypeVar("T")
+log = logging.getLogger("toko.store")
+
+_JOB_COLUMNS = "id, kind, payload::text, state, attempts, max_attempts, run_at, last_error"
+# Upper bound on one batch so a flood cannot make one statement huge.
+MAX_BATCH = 512
+# Seconds between liveness probes of the idle LISTEN connection, and between
+# reconnection attempts when it is gone.
+LISTEN_PROBE_SECONDS = 30.0
+LISTEN_RETRY_SECONDS = 1.0
+COMMAND_TIMEOUT = 30.0
+# Connection failures: the server is down or gone, not a bad statement.
+_CONNECTION_ERRORS = (
+    OSError,
+    TimeoutError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError,
+)
+_DB_ERRORS = (asyncpg.PostgresError, *_CONNECTION_ERRORS)
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
+
+
+def _job_from_row(row: Sequence[Any]) -> Job:
+    return Job(
+        id=row[0],
+        kind=row[1],
+        payload=json.loads(row[2]),
+        state=row[3],
+        attempts=row[4],
+        max_attempts=row[5],
+        run_at=row[6],
+        last_error=row[7],
+    )
+
+
+def _set_event(event: asyncio.Event, *_: object) -> None:
+    event.set()
+
+
+@dataclass
+class _ProductWrite:
+    nama: str
+    harga: int
+    make_job: Callable[[Product], NewJob]
+    future: asyncio.Future[tuple[Product, int]]
+
+
+class PostgresStore:
+    def __init__(
+        self,
+        url: str,
+        *,
+        password: str | None = None,
+        application_name: str = "toko-api",
+        clock: Callable[[], float] = time.time,
+        pool_size: int = 8,
+    ) -> None:
+        self.url = url
+        self._password = password
+        self._application_name = application_name
+        self._clock = clock
+        self._pool_size = pool_size
+        self._pool: asyncpg.Pool | None = None
+        self._writes: asyncio.Queue[_ProductWrite | None] = asyncio.Queue()
+        self._writer: asyncio.Task[None] | None = None
+        self._wakeup_callbacks: list[Callable[[], None]] = []
+        self._listener: asyncio.Task[None] | None = None
+        self.batches = 0
+        self.ops = 0
+
+    # lifecycle ---------------------------------------------------------------
+    def _connect_kwargs(self) -> dict[str, Any]:
+        return {
+            "dsn": self.url,
+            "password": self._password,
+            # toko-backup --restore looks for application_name = toko-api.
+            "server_settings": {"application_name": self._application_name},
+        }
+
+    async def open(self) -> None:
+        try:
+            conn = await asyncpg.connect(**self._connect_kwargs(), timeout=COMMAND_TIMEOUT)
+            try:
+                await migrate(conn)
+            finally:
+                await conn.close()
+            self._pool = await asyncpg.create_pool(
+                **self._connect_kwargs(),
+                min_size=1,
+                max_size=self._pool_size,
+                command_timeout=COMMAND_TIMEOUT,
+            )
+        except SchemaTooNew as exc:
+            raise StoreError(str(exc)) from exc
+        except (*_DB_ERRORS, ValueError) as exc:
+            raise StoreError(f"cannot open database {redact(self.url)}: {exc}") from exc
+        self._writer = asyncio.create_task(self._write_loop(), name="toko-pg-writer")
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writes.put_nowait(None)  # writes queued before this still commit
+            await self._writer
+            self._writer = None
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+            self._listener = None
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
+
+    @property
+    def writer_stats(self) -> tuple[int, int]:
+        """(batches committed, writes committed): ops/batches is the group-commit factor."""
+        return self.batches, self.ops
+
+    # plumbing ------------------------------------------------------------------
+    async def _db(self, fn: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
+        if self._pool is None:
+            raise StoreError("the store is closed")
+        try:
+            async with self._pool.acquire(timeout=COMMAND_TIMEOUT) as conn:
+                return await fn(conn)
+        except _DB_ERRORS as exc:
+            raise StoreError(f"database call failed: {exc}") from exc
+
+    async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        return await self._db(lambda conn: conn.fetch(sql, *args))
+
+    async def _fetchrow(self, sql: str, *args: Any) -> asyncpg.Record | None:
+        return await self._db(lambda conn: conn.fetchrow(sql, *args))
+
+    async def _execute(self, sql: str, *args: Any) -> str:
+        return await self._db(lambda conn: conn.execute(sql, *args))
+
+    # products ------------------------------------------------------------------
+    async def create_product(
+        self, nama: str, harga: int, make_job: Callable[[Product], NewJob]
+    ) -> tuple[Product, int]:
+        if self._writer is None or self._writer.done():
+            raise StoreError("the store is closed")
+        future: asyncio.Future[tuple[Product, int]] = asyncio.get_running_loop().create_future()
+        self._writes.put_nowait(_ProductWrite(nama, harga, make_job, future))
+        return await future
+
+    async def _write_loop(self) -> None:
+        while True:
+            first = await self._writes.get()
+            batch = [first] if first is not None else []
+            stop = first is None
+            while not stop and len(batch) < MAX_BATCH and not self._writes.empty():
+                item = self._writes.get_nowait()
+                if item is None:
+                    stop = True
+                else:
+                    batch.append(item)
+            if batch:
+                await self._commit_products(batch)
+            if stop:
+                return
+
+    async def _commit_products(self, batch: list[_ProductWrite]) -> None:
+        try:
+            await self._insert_products(batch)
+        except StoreError as exc:
+            if len(batch) == 1 or not isinstance(exc.__cause__, asyncpg.PostgresError):
+                for write in batch:
+                    if not write.future.done():
+                        write.future.set_exception(exc)
+                return
+            # A bad row fails the whole statement: give each write its own.
+            for write in batch:
+                if not write.future.done():
+                    await self._commit_products([write])
+        except Exception as exc:  # a bug here must not kill the writer
+            log.exception("product write failed")
+            for write in batch:
+                if not write.future.done():
+                    write.future.set_exception(StoreError(f"database write failed: {exc}"))
+
+    async def _insert_products(self, batch: list[_ProductWrite]) -> None:
+        now = self._clock()
+        # Ids first (sequences are not transactional): the job payload needs
+        # the product id, and make_job is our caller's Python code.
+        ids = await self._fetch(
+            "SELECT nextval('products_id_seq'), nextval('jobs_id_seq') FROM generate_series(1, $1)",
+            len(batch),
+        )
+        rows: list[tuple[_ProductWrite, Product, int, NewJob, str]] = []
+        for write, (product_id, job_id) in zip(batch, sorted(ids), strict=True):
+            product = Product(product_id, write.nama, write.harga, now)
+            try:
+                job = write.make_job(product)
+                payload = json.dumps(job.payload)
+            except Exception as exc:  # this write alone fails; nothing of it is stored
+                write.future.set_exception(exc)
+                continue
+            rows.append((write, product, job_id, job, payload))
+        if not rows:
+            return
+        # One statement is one transaction: both rows of every write, or none.
+        await self._execute(
+            """
+            WITH p AS (
+                INSERT INTO products (id, nama, harga, created_at)
+                SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::float8[])
+            )
+            INSERT INTO jobs (id, kind, payload, max_attempts, run_at, created_at, updated_at)
+            SELECT j.id, j.kind, j.payload::jsonb, j.max_attempts, $4[1], $4[1], $4[1]
+              FROM unnest($5::bigint[], $6::text[], $7::text[], $8::int[])
+                   AS j (id, kind, payload, max_attempts)
+            """,
+            [r[1].id for r in rows],
+            [r[1].nama for r in rows],
+            [r[1].harga for r in rows],
+            [now] * len(rows),
+            [r[2] for r in rows],
+            [r[3].kind for r in rows],
+            [r[4] for r in rows],
+            [r[3].max_attempts for r in rows],
+        )
+        self.batches += 1
+        self.ops += len(rows)
+        for write, product, job_id, _, _ in rows:
+            if not write.future.done():  # the caller may have gone (cancelled)
+                write.future.set_result((product, job_id))
+
+    async def get_product(self, product_id: int) -> Product | None:
+        row = await self._fetchrow(
+            "SELECT id, nama, harga, created_at FROM products WHERE id = $1", product_id
+        )
+        return Product(*row) if row else None
+
+    async def list_products(self, after_id: int, limit: int) -> list[Product]:
+        rows = await self._fetch(
+            "SELECT id, nama, harga, created_at FROM products WHERE id > $1 ORDER BY id LIMIT $2",
+            after_id,
+            limit,
+        )
+        return [Product(*row) for row in rows]
+
+    async def product_counts(self, start: float, end: float) -> tuple[int, int]:
+        """(products created before ``end``, products created in [start, end))."""
+        row = await self._fetchrow(
+            "SELECT count(*) FILTER (WHERE created_at < $2),"
+            "       count(*) FILTER (WHERE created_at >= $1 AND created_at < $2)"
+            "  FROM products",
+            start,
+            end,
+        )
+        assert row is not None
+        return int(row[0]), int(row[1])
+
+    # queue -----------------------------------------------------------------------
+    async def enqueue(self, job: NewJob) -> int:
+        now = self._clock()
+        row = await self._fetchrow(
+            "INSERT INTO jobs (kind, payload, max_attempts, run_at, created_at, updated_at) "
+            "VALUES ($1, $2::jsonb, $3, $4, $4, $4) RETURNING id",
+            job.kind,
+            json.dumps(job.payload),
+            job.max_attempts,
+            now,
+        )
+        assert row is not None
+        return int(row[0])
+
+    async def claim(self, limit: int, lease_seconds: float) -> list[Job]:
+        now = self._clock()
+        # FOR UPDATE cannot sit under a UNION, hence one CTE per source. Each
+        # stops after ``limit`` rows of its partial index; SKIP LOCKED lets
+        # claimers on other instances take the next rows instead of waiting.
+        rows = await self._fetch(
+            f"""
+            WITH due AS (
+                SELECT id FROM jobs WHERE state = 'pending' AND run_at <= $1
+                 ORDER BY run_at, id LIMIT $3 FOR UPDATE SKIP LOCKED
+            ), expired AS (
+                SELECT id FROM jobs WHERE state = 'running' AND lease_until < $1
+                 LIMIT $3 FOR UPDATE SKIP LOCKED
+            ), picked AS (
+                SELECT id FROM due UNION ALL SELECT id FROM expired LIMIT $3
+            )
+            UPDATE jobs SET state = 'running', attempts = attempts + 1,
+                   lease_until = $2, updated_at = $1
+              FROM picked WHERE jobs.id = picked.id
+            RETURNING {", ".join(f"jobs.{c}" for c in _JOB_COLUMNS.split(", "))}
+            """,
+            now,
+            now + lease_seconds,
+            limit,
+        )
+        return sorted((_job_from_row(row) for row in rows), key=lambda job: job.id)
+
+    async def complete(self, job_ids: Sequence[int]) -> None:
+        if job_ids:
+            await self._execute(
+                "UPDATE jobs SET state = 'done', lease_until = NULL, updated_at = $2 "
+                "WHERE id = ANY($1::bigint[])",
+                list(job_ids),
+                self._clock(),
+            )
+
+    async def retry(self, job_id: int, error: str, run_at: float) -> None:
+        await self._set_state(job_id, "pending", error, run_at)
+
+    async def fail(self, job_id: int, error: str) -> None:
+        await self._set_state(job_id, "failed", error, None)
+
+    async def _set_state(
+        self, job_id: int, state: str, error: str | None, run_at: float | None
+    ) -> None:
+        await self._execute(
+            """
+            UPDATE jobs SET state = $2, last_error = coalesce($3, last_error),
+                   run_at = coalesce($4, run_at), lease_until = NULL, updated_at = $5
+             WHERE id = $1
+            """,
+            job_id,
+            state,
+            error,
+            run_at,
+            self._clock(),
+        )
+
+    async def release(self, job_ids: Sequence[int]) -> None:
+        if not job_ids:
+            return
+        # Released jobs are due now: tell the other instances, in the same transaction.
+        await self._execute(
+            f"""
+            WITH released AS (
+                UPDATE jobs SET state = 'pending', attempts = greatest(attempts - 1, 0),
+                       lease_until = NULL, updated_at = $2
+                 WHERE id = ANY($1::bigint[]) AND state = 'running'
+                RETURNING id
+            )
+            SELECT pg_notify('{JOBS_CHANNEL}', '') WHERE EXISTS (SELECT 1 FROM released)
+            """,
+            list(job_ids),
+            self._clock(),
+        )
+
+    async def recover_abandoned(self) -> int:
+        # Other instances share this database: a running job may be theirs.
+        # Expired leases alone bring a dead instance's jobs back (see claim).
+        return 0
+
+    async def next_due_at(self) -> float | None:
+        row = await self._fetchrow(
+            "SELECT least((SELECT min(run_at) FROM jobs WHERE state = 'pending'),"
+            "             (SELECT min(lease_until) FROM jobs WHERE state = 'running'))"
+        )
+        return None if row is None or row[0] is None else float(row[0])
+
+    async def counts(self) -> QueueCounts:
+        figures = dict.fromkeys(JOB_STATES, 0)
+        for state, count in await self._fetch("SELECT state, count(*) FROM jobs GROUP BY state"):
+            figures[state] = int(count)
+        return QueueCounts(**figures)
+
+    async def get_job(self, job_id: int) -> Job | None:
+        row = await self._fetchrow(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = $1", job_id)
+        return _job_from_row(row) if row else None
+
+    async def ping(self) -> None:
+        await self._fetchrow("SELECT 1")
+
+    # wake-ups ----------------------------------------------------------------------
+    def add_wakeup_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever any process commits a job (LISTEN toko_jobs)."""
+        self._wakeup_callbacks.append(callback)
+        if self._listener is None:
+            self._listener = asyncio.create_task(self._listen_loop(), name="toko-pg-listen")
+
+    def _wake(self, *_: object) -> None:
+        for callback in self._wakeup_callbacks:
+            callback()
+
+    async def _listen_loop(self) -> None:
+        # A long-lived loop: log and keep going. While it is down, the pool's
+        # sweep still finds every job, only later.
+        while True:
+            conn: asyncpg.Connection | None = None
+            try:
+                conn = await asyncpg.connect(**self._connect_kwargs(), timeout=COMMAND_TIMEOUT)
+                lost = asyncio.Event()
+                conn.add_termination_listener(functools.partial(_set_event, lost))
+                await conn.add_listener(JOBS_CHANNEL, self._wake)
+                log.debug("listening for new jobs", extra={"CHANNEL": JOBS_CHANNEL})
+                self._wake()  # jobs committed while we were not listening
+                while not lost.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(lost.wait(), LISTEN_PROBE_SECONDS)
+                    if not lost.is_set():
+                        # An idle socket does not notice a vanished server; a query does.
+                        await conn.fetchval("SELECT 1", timeout=COMMAND_TIMEOUT)
+                log.warning("the LISTEN connection closed; reconnecting")
+            except _DB_ERRORS as exc:
+                log.warning("LISTEN connection failed, retrying: %s", exc)
+            finally:
+                if conn is not None and not conn.is_closed():
+                    with contextlib.suppress(*_DB_ERRORS):
+                        await conn.close(timeout=5)
+            await asyncio.sleep(LISTEN_RETRY_SECONDS)
+
+    # recaps ------------------------------------------------------------------------
+    async def record_recap(
+        self, period: str, products_total: int, products_new: int, job: NewJob
+    ) -> int | None:
+        """Record a period's recap and enqueue its email, once: None if already recorded."""
+        now = self._clock()
+
+        async def run(conn: asyncpg.Connection) -> int | None:
+            async with conn.transaction():
+                # Racing runs (timers on every host) queue here; the winner's
+                # row is visible to the rest once they get the lock.
+                await conn.execute(
+                    "SELECT pg_advisory_xact_lock($1, hashtext($2))", RECAP_LOCK_CLASS, period
+                )
+                if await conn.fetchval("SELECT 1 FROM recaps WHERE period = $1", period):
+                    return None
+                job_id: int = await conn.fetchval(
+                    "INSERT INTO jobs (kind, payload, max_attempts, run_at, created_at,"
+                    " updated_at) VALUES ($1, $2::jsonb, $3, $4, $4, $4) RETURNING id",
+                    job.kind,
+                    json.dumps(job.payload),
+                    job.max_attempts,
+                    now,
+                )
+                await conn.execute(
+                    "INSERT INTO recaps (period, products_total, products_new, job_id,"
+                    " created_at) VALUES ($1, $2, $3, $4, $5)",
+                    period,
+                    products_total,
+                    products_new,
+                    job_id,
+                    now,
+                )
+                return job_id
+
+        return await self._db(run)
