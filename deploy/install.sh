@@ -68,9 +68,9 @@ trap 'rm -rf "$BUILD"' EXIT
 tar -C "$SRC" --exclude=./.git --exclude=./.venv --exclude=./var --exclude=./build \
     --exclude='*.egg-info' --exclude=__pycache__ -cf - . | tar -C "$BUILD" -xf -
 say "installing toko from $SRC into $VENV"
-# --force-reinstall of toko alone: same version number, new code on every run.
+# pip always reinstalls a package given as a directory: new code even when the
+# version number did not change.
 "$VENV/bin/pip" install -q --disable-pip-version-check "$BUILD"
-"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$BUILD"
 install -m 0644 "$SRC/README.md" "$PREFIX/README.md"
 for cmd in toko-api toko-recap toko-backup; do
     [ -x "$VENV/bin/$cmd" ] || say "warning: $VENV/bin/$cmd is missing from the package"
@@ -109,6 +109,8 @@ case "$changed" in *toko-api.socket*)
     fi
     ;;
 esac
+# An upgrade is often the fix for a crash loop: clear a start limit it hit.
+systemctl reset-failed toko-api.socket toko-api.service 2>/dev/null || true
 systemctl start toko-api.socket
 if systemctl is-active --quiet toko-api.service; then
     say "restarting toko-api.service (the socket keeps accepting meanwhile)"
