@@ -61,6 +61,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="measure this git revision (extracted with git archive) instead of the working tree",
     )
+    p.add_argument(
+        "--quiet-below",
+        type=float,
+        default=40.0,
+        metavar="PCT",
+        help="before each measurement, wait (bounded) until other processes use less than PCT "
+        "%% of one core (default 40; 0 = never wait)",
+    )
+    p.add_argument("--quiet-max-wait", type=float, default=15.0, help="seconds (default 15)")
     p.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
     g = p.add_argument_group("(a) throughput")
     g.add_argument("--runs", type=int, help="alternating rounds (default 3)")
@@ -193,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                             connections=args.connections,
                             threads=args.wrk_threads,
                             parked=args.parked,
+                            quiet_below_pct=args.quiet_below or float("inf"),
+                            quiet_max_wait_s=args.quiet_max_wait,
                         ),
                         workdir / name,
                     )
@@ -209,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                             full_drain=args.full_drain,
                             drain_timeout_s=args.drain_timeout,
                             drain_workers=args.drain_workers,
+                            quiet_below_pct=args.quiet_below or float("inf"),
+                            quiet_max_wait_s=2 * args.quiet_max_wait,
                         ),
                         workdir / name,
                     )

@@ -58,6 +58,7 @@ class OpenLoopResult:
     duration_s: float
     samples: list[Sample] = field(default_factory=list)
     wall_s: float = 0.0
+    t0_monotonic: float = 0.0  # loop.time() is time.monotonic() on Linux
 
     def product_ids(self) -> list[int]:
         return [s.product_id for s in self.samples if s.product_id is not None]
@@ -169,6 +170,7 @@ async def open_loop(
     try:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             t0 = loop.time()
+            result.t0_monotonic = t0
             nxt = 0
             while nxt < total:
                 now = loop.time() - t0

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -216,6 +217,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
+def _machine_busy_s() -> float:
+    """Busy CPU seconds of the whole machine since boot (all cores), from /proc/stat."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest is already in user
+
+
 @dataclass(frozen=True)
 class CpuSnapshot:
     """CPU seconds so far: the whole machine (busy), one process, and reaped children."""
@@ -228,11 +236,7 @@ class CpuSnapshot:
 
 
 def cpu_snapshot(pid: int) -> CpuSnapshot:
-    ticks = os.sysconf("SC_CLK_TCK")
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    values = [int(v) for v in fields]
-    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
-    busy = (sum(values[:8]) - idle) / ticks  # guest time is already in user
+    busy = _machine_busy_s()
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     me = resource.getrusage(resource.RUSAGE_SELF)
     return CpuSnapshot(
@@ -289,3 +293,58 @@ def fsync_probe(directory: Path, count: int = 50) -> dict[str, float]:
         "p90_ms": round(times[int(len(times) * 0.9)], 3),
         "max_ms": round(times[-1], 3),
     }
+
+
+class FsyncMonitor:
+    """A thread that times one 4 KiB write+fsync every ``interval`` s, in the DB's directory.
+
+    While a load runs, it shows when the disk itself was slow (other tenants'
+    I/O), which is when durable commits, and so POST latency, must be slow too.
+    """
+
+    def __init__(self, directory: Path, interval: float = 0.05) -> None:
+        self.path = directory / ".fsync-monitor"
+        self.interval = interval
+        self.samples: list[tuple[float, float]] = []  # (monotonic start, ms)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fsync-monitor", daemon=True)
+
+    def __enter__(self) -> FsyncMonitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.path.unlink(missing_ok=True)
+
+    def _run(self) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            while not self._stop.wait(self.interval):
+                os.write(fd, b"x" * 4096)
+                t0 = time.monotonic()
+                os.fsync(fd)
+                self.samples.append((t0, (time.monotonic() - t0) * 1000))
+        finally:
+            os.close(fd)
+
+
+def machine_busy_pct(window: float = 1.0) -> float:
+    """Percent of one core the whole machine used over ``window`` seconds."""
+    b0, t0 = _machine_busy_s(), time.monotonic()
+    time.sleep(window)
+    return (_machine_busy_s() - b0) / (time.monotonic() - t0) * 100
+
+
+def wait_for_quiet(threshold_pct: float, max_wait_s: float) -> dict[str, float]:
+    """Wait (bounded) until the machine is quieter than ``threshold_pct`` of one core.
+
+    Called between measurements, when none of the bench's servers runs, so
+    what it sees is other tenants. Returns what it saw and how long it waited.
+    """
+    t0 = time.monotonic()
+    level = machine_busy_pct()
+    while level > threshold_pct and time.monotonic() - t0 < max_wait_s:
+        level = machine_busy_pct()
+    return {"busy_pct": round(level, 1), "waited_s": round(time.monotonic() - t0, 1)}

@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import open_loop
-from bench.procs import cpu_snapshot, cpu_usage
+from bench.procs import FsyncMonitor, cpu_snapshot, cpu_usage, wait_for_quiet
 from bench.sink import read_record, smtp_sink
+from bench.stats import percentile
 from bench.toko import TokoCommand, running, toko_target
 
 
@@ -47,6 +48,8 @@ class BacklogConfig:
     drain_timeout_s: float = 420.0
     drain_workers: int = 16
     max_connections: int = 256
+    quiet_below_pct: float = 40.0
+    quiet_max_wait_s: float = 30.0
 
 
 def _product_id(payload: str | None) -> int | None:
@@ -92,6 +95,25 @@ def inspect_queue(db: Path) -> dict[str, Any]:
     }
 
 
+def _add_fsync(summary: dict[str, Any], samples: list[tuple[float, float]], t0: float) -> None:
+    """Put the disk's fsync latency next to the POST latency, per second and overall."""
+    by_sec: dict[int, list[float]] = {}
+    for at, ms in samples:
+        by_sec.setdefault(int(at - t0), []).append(ms)
+    for bucket in summary["per_second"]:
+        values = by_sec.get(int(bucket["second"]))
+        if values:
+            bucket["fsync_max_ms"] = round(max(values), 3)
+    if samples:
+        values = [ms for _, ms in samples]
+        summary["fsync_probe_ms"] = {
+            "n": len(values),
+            "p50": percentile(values, 50),
+            "p99": percentile(values, 99),
+            "max": max(values),
+        }
+
+
 def queue_states(db: Path) -> dict[str, int]:
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30) as conn:
         return {
@@ -131,6 +153,8 @@ def run(cfg: BacklogConfig, workdir: Path) -> dict[str, Any]:
     }
     with smtp_sink(workdir, "smtp-slow", cfg.email_delay_s, record) as sink:
         target = toko_target(cfg.toko, db, workers=cfg.workers, smtp_url=sink.url)
+        # Before toko-api starts, so only other tenants are measured.
+        out["before"] = wait_for_quiet(cfg.quiet_below_pct, cfg.quiet_max_wait_s)
         with running(target, workdir / "toko-api.log") as api:
             cpu0 = cpu_snapshot(api.pid)
             t_start = time.time()
@@ -139,16 +163,19 @@ def run(cfg: BacklogConfig, workdir: Path) -> dict[str, Any]:
                 f"({int(cfg.rate * cfg.duration_s)} POSTs)...",
                 flush=True,
             )
-            load = asyncio.run(
-                open_loop(
-                    target.base_url + "/produk",
-                    rate=cfg.rate,
-                    duration_s=cfg.duration_s,
-                    token=f"backlog-{int(t_start)}",
-                    max_connections=cfg.max_connections,
+            fsyncs = FsyncMonitor(workdir)
+            with fsyncs:
+                load = asyncio.run(
+                    open_loop(
+                        target.base_url + "/produk",
+                        rate=cfg.rate,
+                        duration_s=cfg.duration_s,
+                        token=f"backlog-{int(t_start)}",
+                        max_connections=cfg.max_connections,
+                    )
                 )
-            )
             summary = load.summary()
+            _add_fsync(summary, fsyncs.samples, load.t0_monotonic)
             summary["cpu"] = cpu = cpu_usage(cpu0, cpu_snapshot(api.pid))
             out["load"] = summary
             lat = summary.get("latency_ms", {})
@@ -161,8 +188,11 @@ def run(cfg: BacklogConfig, workdir: Path) -> dict[str, Any]:
             )
             worst = sorted(summary["per_second"], key=lambda b: b["p99_ms"])[-3:]
             print(
-                "  worst seconds (p99 ms): "
-                + ", ".join(f"t={b['second']}s {b['p99_ms']:.1f}" for b in reversed(worst)),
+                "  worst seconds, POST p99 / disk fsync max (ms): "
+                + ", ".join(
+                    f"t={b['second']}s {b['p99_ms']:.1f}/{b.get('fsync_max_ms', float('nan')):.1f}"
+                    for b in reversed(worst)
+                ),
                 flush=True,
             )
             time.sleep(cfg.settle_s)

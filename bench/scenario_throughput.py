@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.procs import Managed, base_env, cpu_snapshot, cpu_usage, free_port
+from bench.procs import (
+    Managed,
+    base_env,
+    cpu_snapshot,
+    cpu_usage,
+    free_port,
+    wait_for_quiet,
+)
 from bench.sink import smtp_sink
 from bench.stats import median, spread
 from bench.toko import Target, TokoCommand, running, toko_target
@@ -38,6 +45,8 @@ class ThroughputConfig:
     connections: int = 16
     threads: int = 1
     parked: bool = True
+    quiet_below_pct: float = 40.0  # wait for other tenants to calm down first...
+    quiet_max_wait_s: float = 15.0  # ...but not for longer than this
 
 
 def baseline_target() -> Target:
@@ -157,8 +166,9 @@ def run(cfg: ThroughputConfig, workdir: Path) -> dict[str, Any]:
                     before_stop = sink.proc.stop
                 else:
                     target = baseline_target()
+                quiet = wait_for_quiet(cfg.quiet_below_pct, cfg.quiet_max_wait_s)
                 res, extra = _measure_retrying(target, cfg, workdir, label, script, before_stop)
-            entry = res.to_json() | extra
+            entry = res.to_json() | extra | {"before": quiet}
             if db is not None:
                 # Warm-up and measured requests all committed a row.
                 entry["rows_in_db"] = count_products(db)
@@ -206,6 +216,8 @@ def run(cfg: ThroughputConfig, workdir: Path) -> dict[str, Any]:
             "warmup_s": cfg.warmup_s,
             "connections": cfg.connections,
             "wrk_threads": cfg.threads,
+            "quiet_below_pct": cfg.quiet_below_pct,
+            "quiet_max_wait_s": cfg.quiet_max_wait_s,
             "toko_cmd": cfg.toko.argv,
             "toko_revision": cfg.toko.revision,
             "targets": names,
