@@ -27,15 +27,15 @@ PREFIX = "toko-"
 SUFFIX = ".db"
 
 
-def backup_name(now: float) -> str:
-    return PREFIX + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + SUFFIX
+def backup_name(now: float, suffix: str = SUFFIX) -> str:
+    return PREFIX + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + suffix
 
 
-def list_backups(folder: Path) -> list[Path]:
+def list_backups(folder: Path, suffix: str = SUFFIX) -> list[Path]:
     """Finished backups, oldest first (the timestamped names sort by time)."""
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.glob(f"{PREFIX}*{SUFFIX}") if p.is_file())
+    return sorted(p for p in folder.glob(f"{PREFIX}*{suffix}") if p.is_file())
 
 
 def check_integrity(path: Path) -> None:
@@ -50,7 +50,7 @@ def check_integrity(path: Path) -> None:
         raise JobFailed(f"{path} failed the integrity check: {rows[:3]}")
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -81,7 +81,7 @@ def make_backup(database: str, folder: Path, keep: int) -> Path:
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         tmp.rename(final)
-        _fsync_dir(folder)
+        fsync_dir(folder)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -93,8 +93,8 @@ def make_backup(database: str, folder: Path, keep: int) -> Path:
     return final
 
 
-def prune(folder: Path, keep: int) -> list[Path]:
-    old = list_backups(folder)[:-keep]
+def prune(folder: Path, keep: int, suffix: str = SUFFIX) -> list[Path]:
+    old = list_backups(folder, suffix)[:-keep]
     for path in old:
         path.unlink()
     return old
@@ -130,7 +130,7 @@ def restore(database: str, source: Path) -> Path | None:
         for stale in (db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
             stale.unlink(missing_ok=True)
         tmp.rename(db)
-        _fsync_dir(db.parent)
+        fsync_dir(db.parent)
     finally:
         lock.release()
     log.info("backup restored", extra={"PATH": str(source), "PREVIOUS": str(kept)})
@@ -138,6 +138,10 @@ def restore(database: str, source: Path) -> Path | None:
 
 
 def _main(args: argparse.Namespace, settings: Settings) -> int:
+    if settings.is_postgres:
+        from jobs import pg_backup  # imports this module: import it only when needed
+
+        return pg_backup.run(args.list, args.restore, settings)
     folder = Path(settings.backup_dir)
     try:
         if args.list:

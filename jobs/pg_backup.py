@@ -1,0 +1,221 @@
+"""``toko-backup`` on PostgreSQL: pg_dump custom-format backups, and restore.
+
+The same promises as the SQLite path (:mod:`jobs.backup`): a consistent copy
+taken while toko-api keeps writing (pg_dump reads one snapshot), verified
+before it is published (``pg_restore --list`` must read the whole archive
+and find the toko tables), published atomically with mode 0600, and only the
+newest TOKO_BACKUP_KEEP kept. The timer may run on every host; each host
+keeps its own copies in its own TOKO_BACKUP_DIR.
+
+Restore refuses while any toko-api is connected to the database (every
+instance connects with ``application_name=toko-api``), dumps the current
+contents beside the backups first, and holds the migration lock meanwhile so
+a toko-api starting mid-restore waits instead of seeing half a schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import logging
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
+
+from jobs.backup import PREFIX, backup_name, fsync_dir, list_backups, prune
+from jobs.common import JobFailed
+from service.settings import Settings
+from service.store.pg_migrations import MIGRATION_LOCK
+from service.store.postgres import redact
+
+log = logging.getLogger("toko.backup")
+SUFFIX = ".dump"
+# Tables whose data a toko backup must hold.
+REQUIRED_TABLES = ("products", "jobs", "recaps", "toko_schema")
+TOOL_TIMEOUT = 3600.0
+
+
+def pg_tool(name: str) -> str:
+    """The newest installed ``name`` (pg_dump must not be older than the server)."""
+    versions = sorted(
+        glob.glob(f"/usr/lib/postgresql/*/bin/{name}"),
+        key=lambda p: [int(x) for x in Path(p).parent.parent.name.split(".") if x.isdigit()],
+    )
+    found = versions[-1] if versions else shutil.which(name)
+    if not found:
+        raise JobFailed(f"{name} not found; install the Debian package postgresql-client")
+    return found
+
+
+def _tool_env(settings: Settings) -> dict[str, str]:
+    # The password goes to the tools through their environment, never argv (ps shows argv).
+    env = dict(os.environ)
+    env["PGAPPNAME"] = "toko-backup"
+    if settings.database_password is not None:
+        env["PGPASSWORD"] = settings.database_password
+    return env
+
+
+def _run(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        args,
+        env=_tool_env(settings),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TOOL_TIMEOUT,
+        check=False,
+    )
+    if result.returncode != 0:
+        tool = Path(args[0]).name
+        detail = (result.stderr or result.stdout).strip().replace(settings.database, "…")
+        raise JobFailed(f"{tool} failed ({result.returncode}): {detail[-2000:]}")
+    return result
+
+
+def check_archive(settings: Settings, path: Path) -> None:
+    """Raise JobFailed unless ``path`` is a complete custom-format toko dump."""
+    try:
+        listing = _run(settings, pg_tool("pg_restore"), "--list", str(path)).stdout
+    except JobFailed as exc:
+        raise JobFailed(f"{path} is not a usable pg_dump archive: {exc}") from exc
+    data = {
+        line.split()[-2]
+        for line in listing.splitlines()
+        if " TABLE DATA " in line and not line.startswith(";")
+    }
+    missing = [table for table in REQUIRED_TABLES if table not in data]
+    if missing:
+        raise JobFailed(f"{path} holds no data for the toko tables {', '.join(missing)}")
+
+
+def _dump(settings: Settings, target: Path) -> None:
+    """pg_dump the database into a new file ``target`` (created 0600 first)."""
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # 0600 before pg_dump writes a byte (it truncates, keeping the mode).
+    os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    _run(
+        settings,
+        pg_tool("pg_dump"),
+        "--format=custom",
+        "--no-password",
+        f"--file={target}",
+        f"--dbname={settings.database}",
+    )
+
+
+def make_backup(settings: Settings, folder: Path, keep: int) -> Path:
+    final = folder / backup_name(time.time(), SUFFIX)
+    tmp = folder / f".{final.name}.partial"
+    tmp.unlink(missing_ok=True)
+    try:
+        _dump(settings, tmp)
+        check_archive(settings, tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        tmp.rename(final)
+        fsync_dir(folder)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    pruned = prune(folder, keep, SUFFIX)
+    log.info(
+        "backup written",
+        extra={"PATH": str(final), "BYTES": final.stat().st_size, "PRUNED": len(pruned)},
+    )
+    return final
+
+
+async def _connected_apis(conn: asyncpg.Connection) -> list[str]:
+    rows = await conn.fetch(
+        "SELECT coalesce(host(client_addr), 'local') AS client, count(*) AS n"
+        "  FROM pg_stat_activity"
+        " WHERE datname = current_database() AND application_name = 'toko-api'"
+        "   AND pid <> pg_backend_pid()"
+        " GROUP BY 1 ORDER BY 1"
+    )
+    return [f"{row['client']} ({row['n']} connections)" for row in rows]
+
+
+async def _restore(settings: Settings, source: Path, folder: Path) -> Path | None:
+    try:
+        conn = await asyncpg.connect(
+            settings.database,
+            password=settings.database_password,
+            server_settings={"application_name": "toko-backup"},
+        )
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise JobFailed(f"cannot connect to {redact(settings.database)}: {exc}") from exc
+    try:
+        # Held for the whole restore: a toko-api starting now waits in its migration.
+        await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK)
+        apis = await _connected_apis(conn)
+        if apis:
+            raise JobFailed(
+                "toko-api is connected to this database from "
+                + ", ".join(apis)
+                + "; stop it on every host first (systemctl stop toko-api), then restore"
+            )
+        kept: Path | None = None
+        if await conn.fetchval("SELECT to_regclass('products') IS NOT NULL"):
+            # Not named toko-*: pruning never removes it.
+            kept = folder / f"before-restore-{backup_name(time.time(), SUFFIX)[len(PREFIX) :]}"
+            await asyncio.to_thread(_dump, settings, kept)
+        await asyncio.to_thread(
+            _run,
+            settings,
+            pg_tool("pg_restore"),
+            "--clean",
+            "--if-exists",
+            "--no-owner",
+            "--no-privileges",
+            "--single-transaction",
+            "--exit-on-error",
+            "--no-password",
+            f"--dbname={settings.database}",
+            str(source),
+        )
+        return kept
+    finally:
+        await conn.close()
+
+
+def restore(settings: Settings, source: Path, folder: Path) -> Path | None:
+    """Replace the database's contents with ``source``; return the safety dump, if any."""
+    if not source.is_file():
+        raise JobFailed(f"no backup file at {source}")
+    check_archive(settings, source)
+    kept = asyncio.run(_restore(settings, source, folder))
+    log.info("backup restored", extra={"PATH": str(source), "PREVIOUS": str(kept)})
+    return kept
+
+
+def backup_folder(settings: Settings) -> Path:
+    # The default beside the SQLite file means nothing for a URL.
+    if settings.backup_dir.startswith(("postgresql:", "postgres:")):
+        raise JobFailed(
+            "set TOKO_BACKUP_DIR (where backups go) when TOKO_DATABASE is a PostgreSQL URL"
+        )
+    return Path(settings.backup_dir)
+
+
+def run(list_only: bool, restore_file: str | None, settings: Settings) -> int:
+    folder = backup_folder(settings)
+    try:
+        if list_only:
+            for path in list_backups(folder, SUFFIX):
+                print(f"{path}  {path.stat().st_size} bytes")
+        elif restore_file:
+            kept = restore(settings, Path(restore_file), folder)
+            print(f"restored {restore_file} into {redact(settings.database)}")
+            if kept:
+                print(f"the previous contents are kept as {kept}")
+        else:
+            print(make_backup(settings, folder, settings.backup_keep))
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise JobFailed(str(exc)) from exc
+    return 0

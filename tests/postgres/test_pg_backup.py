@@ -1,0 +1,222 @@
+"""toko-backup on PostgreSQL: pg_dump while toko-api writes, verify, restore.
+
+A backup taken mid-write holds one consistent snapshot (every product with
+its job, each row identical to the source's); restored into an empty database
+it gives back exactly those rows. Restore refuses while a toko-api is
+connected. Backups are private (0600), verified, pruned like SQLite's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from jobs import pg_backup
+from jobs.common import JobFailed
+from service.models import Product
+from service.settings import Settings
+from service.store.postgres import PostgresStore
+from service.tasks import product_email_job
+from tests.conftest import ServiceFactory
+from tests.postgres.conftest import pg_env, run_tool
+from tests.support.api import create_product, wait_healthy
+from tests.support.postgres import PostgresCluster, fetch
+
+TABLES = {
+    "products": "SELECT id, nama, harga, created_at FROM products ORDER BY id",
+    "jobs": "SELECT id, kind, payload::text, state, attempts, max_attempts, run_at,"
+    " lease_until, last_error, created_at, updated_at FROM jobs ORDER BY id",
+    "recaps": "SELECT * FROM recaps ORDER BY period",
+    "toko_schema": "SELECT * FROM toko_schema",
+}
+
+
+async def dump_rows(cluster: PostgresCluster, url: str) -> dict[str, list[tuple[Any, ...]]]:
+    return {name: await fetch(cluster, url, sql) for name, sql in TABLES.items()}
+
+
+def printed(stdout: str) -> list[str]:
+    """What the tool printed for people (its log lines are JSON on the same stdout)."""
+    return [line for line in stdout.splitlines() if not line.startswith("{")]
+
+
+class Writers:
+    """Clients posting products until stopped; ``reached(n)`` awaits the n-th 201."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
+        self.session = session
+        self.base_url = base_url
+        self.created: list[int] = []
+        self.stop = asyncio.Event()
+        self._grew = asyncio.Condition()
+
+    async def run(self, worker: int) -> None:
+        while not self.stop.is_set():
+            product = await create_product(self.session, self.base_url, f"Backup {worker}", 500)
+            async with self._grew:
+                self.created.append(product["id"])
+                self._grew.notify_all()
+
+    async def reached(self, count: int) -> None:
+        async with asyncio.timeout(30), self._grew:
+            await self._grew.wait_for(lambda: len(self.created) >= count)
+
+
+async def test_backup_while_writing_restores_into_an_empty_database(
+    tmp_path: Path,
+    pg_cluster: PostgresCluster,
+    pg_url: str,
+    service_factory: ServiceFactory,
+) -> None:
+    backups = tmp_path / "backups"
+    env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(backups))
+    api = service_factory(env).start()
+    await api.async_wait_ready(timeout=30)
+    async with aiohttp.ClientSession() as session:
+        writers = Writers(session, api.base_url)
+        tasks = [asyncio.create_task(writers.run(i)) for i in range(4)]
+        await writers.reached(100)
+        result = await asyncio.to_thread(run_tool, "toko-backup", tmp_path / "run", env)
+        await writers.reached(len(writers.created) + 50)  # writing goes on after it
+        writers.stop.set()
+        await asyncio.gather(*tasks)
+        await wait_healthy(
+            session,
+            api.base_url,
+            30,
+            check=lambda body: body["queue"]["pending"] + body["queue"]["running"] == 0,
+        )
+    created = writers.created
+    assert result.returncode == 0, result.stderr
+    archive = Path(printed(result.stdout)[-1])
+    assert archive.parent == backups and archive.name.startswith("toko-")
+    assert archive.suffix == ".dump"
+    assert stat.S_IMODE(os.stat(archive).st_mode) == 0o600
+    assert not [name for name in os.listdir(backups) if name.endswith(".partial")]
+    listing = await asyncio.to_thread(run_tool, "toko-backup", tmp_path / "run", env, "--list")
+    assert listing.returncode == 0 and str(archive) in listing.stdout
+
+    # Into an empty database: rows identical to the source's at the snapshot.
+    empty = await pg_cluster.async_create_database("restore")
+    restore_env = pg_env(pg_cluster, empty, TOKO_BACKUP_DIR=str(backups))
+    restored = await asyncio.to_thread(
+        run_tool, "toko-backup", tmp_path / "run", restore_env, "--restore", str(archive)
+    )
+    assert restored.returncode == 0, restored.stderr
+    assert "kept as" not in restored.stdout  # nothing to keep from an empty database
+    source = await dump_rows(pg_cluster, pg_url)
+    copy = await dump_rows(pg_cluster, empty)
+    assert 100 <= len(copy["products"]) < len(source["products"]), "not taken mid-write"
+    assert set(copy["products"]) <= set(source["products"])
+    # Consistent: each product came with its job, in one transaction.
+    product_ids = {row[0] for row in copy["products"]}
+    job_products = await fetch(
+        pg_cluster, empty, "SELECT (payload->>'product_id')::bigint FROM jobs"
+    )
+    assert {pid for (pid,) in job_products} == product_ids
+    assert copy["toko_schema"] == source["toko_schema"]
+    # The restored database works: a store opens it and goes on numbering.
+    store = PostgresStore(empty, password=pg_cluster.password)
+    await store.open()
+    try:
+        new, _ = await store.create_product("after restore", 1, _job)
+        assert new.id > max(product_ids)
+    finally:
+        await store.close()
+
+    # A backup of the quiet database restores to exactly the same rows.
+    quiet = await asyncio.to_thread(run_tool, "toko-backup", tmp_path / "run", env)
+    assert quiet.returncode == 0, quiet.stderr
+    second = await pg_cluster.async_create_database("restore")
+    restored = await asyncio.to_thread(
+        run_tool,
+        "toko-backup",
+        tmp_path / "run",
+        pg_env(pg_cluster, second, TOKO_BACKUP_DIR=str(backups)),
+        "--restore",
+        printed(quiet.stdout)[-1],
+    )
+    assert restored.returncode == 0, restored.stderr
+    assert await dump_rows(pg_cluster, second) == await dump_rows(pg_cluster, pg_url)
+
+    # Restore into the live database is refused while toko-api is connected ...
+    refused = await asyncio.to_thread(
+        run_tool, "toko-backup", tmp_path / "run", env, "--restore", str(archive)
+    )
+    assert refused.returncode == 1
+    assert "toko-api is connected to this database" in refused.stderr
+    assert len(await fetch(pg_cluster, pg_url, "SELECT id FROM products")) == len(created)
+    # ... and works once it is stopped, keeping the replaced contents.
+    api.terminate()
+    assert await api.async_wait_exit(timeout=30) == 0
+    done = await asyncio.to_thread(
+        run_tool, "toko-backup", tmp_path / "run", env, "--restore", str(archive)
+    )
+    assert done.returncode == 0, done.stderr
+    assert await dump_rows(pg_cluster, pg_url) == copy
+    (kept_line,) = [line for line in printed(done.stdout) if "kept as" in line]
+    kept = Path(kept_line.rsplit(" ", 1)[1])
+    assert kept.parent == backups and stat.S_IMODE(os.stat(kept).st_mode) == 0o600
+    assert kept not in pg_backup.list_backups(backups, pg_backup.SUFFIX)  # never pruned
+    for url in (empty, second):
+        await pg_cluster.async_drop_database(url)
+
+
+def _job(product: Product) -> object:
+    return product_email_job(product, 3)
+
+
+async def test_backups_are_pruned_and_verified(
+    tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    store = PostgresStore(pg_url, password=pg_cluster.password)
+    await store.open()
+    try:
+        await asyncio.gather(*(store.create_product(f"p{i}", i, _job) for i in range(5)))
+    finally:
+        await store.close()
+    settings = Settings(database=pg_url, database_password=pg_cluster.password)
+    folder = tmp_path / "b"
+    made = []
+    for second in range(3):
+        path = await asyncio.to_thread(pg_backup.make_backup, settings, folder, 2)
+        # Names carry the second; make them distinct without sleeping.
+        renamed = path.with_name(f"toko-2026010{second}T000000Z.dump")
+        path.rename(renamed)
+        made.append(renamed)
+    pg_backup.prune(folder, 2, pg_backup.SUFFIX)
+    assert pg_backup.list_backups(folder, pg_backup.SUFFIX) == made[1:]
+    for path in made[1:]:
+        await asyncio.to_thread(pg_backup.check_archive, settings, path)
+
+    bad = tmp_path / "bad.dump"
+    bad.write_bytes(b"PGDMP but not really" * 100)
+    with pytest.raises(JobFailed, match="not a usable pg_dump archive"):
+        await asyncio.to_thread(pg_backup.check_archive, settings, bad)
+    with pytest.raises(JobFailed, match="not a usable pg_dump archive"):
+        await asyncio.to_thread(pg_backup.restore, settings, bad, folder)
+
+
+async def test_a_wrong_password_fails_with_one_clear_line(
+    tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    wrong = tmp_path / "pw"
+    wrong.write_text("not-the-password\n")
+    env = {
+        "TOKO_DATABASE": pg_url,
+        "TOKO_DATABASE_PASSWORD_FILE": str(wrong),
+        "TOKO_BACKUP_DIR": str(tmp_path / "b"),
+    }
+    result = await asyncio.to_thread(run_tool, "toko-backup", tmp_path, env)
+    assert result.returncode == 1
+    assert "pg_dump failed" in result.stderr and "password authentication failed" in result.stderr
+    assert "not-the-password" not in result.stderr + result.stdout
+    with contextlib.suppress(FileNotFoundError):
+        assert not list((tmp_path / "b").iterdir())

@@ -1,0 +1,207 @@
+"""What only a shared database has: several store instances on one PostgreSQL.
+
+Each ``PostgresStore`` here stands for one toko-api host (its own pool, its
+own LISTEN connection); the contract suite itself runs in tests/unit on both
+backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+
+import pytest
+
+from service import workers
+from service.mail import Email
+from service.models import Job, NewJob, Product
+from service.store.base import StoreError
+from service.store.pg_migrations import LATEST_VERSION
+from service.store.postgres import PostgresStore
+from service.tasks import JobContext, product_email_job
+from service.workers import PoolConfig, WorkerPool
+from tests.support.postgres import PostgresCluster, fetch
+
+HOSTS = 3
+
+
+class Wakeups:
+    """A wake-up callback that can be awaited: counts calls, sets an event."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.event = asyncio.Event()
+
+    def __call__(self) -> None:
+        self.calls += 1
+        self.event.set()
+
+    async def next(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109
+        async with asyncio.timeout(timeout):
+            await self.event.wait()
+        self.event.clear()
+
+
+@pytest.fixture
+async def hosts(pg_cluster: PostgresCluster, pg_url: str) -> AsyncIterator[list[PostgresStore]]:
+    stores = [PostgresStore(pg_url, password=pg_cluster.password) for _ in range(HOSTS)]
+    for s in stores:
+        await s.open()
+    yield stores
+    for s in stores:
+        await s.close()
+
+
+def email_job(product: Product) -> NewJob:
+    return product_email_job(product, 3)
+
+
+async def test_concurrent_starts_migrate_once(pg_cluster: PostgresCluster, pg_url: str) -> None:
+    stores = [PostgresStore(pg_url, password=pg_cluster.password) for _ in range(5)]
+    await asyncio.gather(*(s.open() for s in stores))
+    try:
+        assert await fetch(pg_cluster, pg_url, "SELECT version FROM toko_schema") == [
+            (LATEST_VERSION,)
+        ]
+        product, _ = await stores[3].create_product("x", 1, email_job)
+        assert (await stores[0].get_product(product.id)) == product
+    finally:
+        await asyncio.gather(*(s.close() for s in stores))
+
+
+async def test_a_job_committed_anywhere_wakes_listeners_everywhere(
+    hosts: list[PostgresStore],
+) -> None:
+    a, b, c = hosts
+    heard_a, heard_c = Wakeups(), Wakeups()
+    a.add_wakeup_listener(heard_a)
+    c.add_wakeup_listener(heard_c)
+    # The first call comes once LISTEN is in place (jobs may have come meanwhile).
+    await heard_a.next()
+    await heard_c.next()
+    await b.enqueue(NewJob("k", {}, 3))
+    await heard_a.next()
+    await heard_c.next()
+    # A product's job notifies in the product's transaction, once per batch.
+    await asyncio.gather(*(b.create_product(f"p{i}", i, email_job) for i in range(20)))
+    await heard_a.next()
+    await heard_c.next()
+
+
+async def test_an_idle_pool_wakes_at_once_for_another_instances_job(
+    hosts: list[PostgresStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sweep would take a minute: only the NOTIFY can be this fast.
+    monkeypatch.setattr(workers, "SWEEP_SECONDS", 60.0)
+    a, b, _ = hosts
+    ran: asyncio.Queue[int] = asyncio.Queue()
+
+    async def handler(job: Job, ctx: JobContext) -> None:
+        ran.put_nowait(job.id)
+
+    pool = WorkerPool(a, _context(), {"k": handler}, PoolConfig(workers=2, job_timeout=5.0))
+    listening = Wakeups()
+    a.add_wakeup_listener(listening)
+    a.add_wakeup_listener(pool.notify)
+    await pool.start()
+    try:
+        await listening.next()
+        for _ in range(3):
+            job_id = await b.enqueue(NewJob("k", {}, 3))
+            async with asyncio.timeout(5):
+                assert await ran.get() == job_id
+    finally:
+        await pool.stop(1.0, lambda busy: None)
+
+
+async def test_the_listener_reconnects_after_losing_its_connection(
+    pg_cluster: PostgresCluster, pg_url: str, hosts: list[PostgresStore]
+) -> None:
+    a, b, _ = hosts
+    heard = Wakeups()
+    a.add_wakeup_listener(heard)
+    await heard.next()
+    killed = await fetch(
+        pg_cluster,
+        pg_url,
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+    )
+    assert killed == [(True,)]
+    await heard.next(timeout=10)  # listening again (LISTEN_RETRY_SECONDS later)
+    await b.enqueue(NewJob("k", {}, 3))
+    await heard.next()
+
+
+async def test_claims_on_several_instances_never_overlap(hosts: list[PostgresStore]) -> None:
+    total = 300
+    await asyncio.gather(
+        *(hosts[i % HOSTS].enqueue(NewJob("k", {"i": i}, 3)) for i in range(total))
+    )
+    claimers = 3 * HOSTS  # several per instance, as the pools of three hosts would be
+    claimed: list[list[int]] = [[] for _ in range(claimers)]
+
+    async def claimer(index: int, store: PostgresStore) -> None:
+        rng = random.Random(index)
+        while True:
+            jobs = await store.claim(rng.randint(1, 9), lease_seconds=600)
+            if not jobs:
+                return
+            claimed[index].extend(job.id for job in jobs)
+
+    await asyncio.gather(*(claimer(i, hosts[i % HOSTS]) for i in range(claimers)))
+    every = [job_id for ids in claimed for job_id in ids]
+    assert len(every) == len(set(every)) == total, "a job was leased twice"
+    per_host = [sum(len(claimed[i]) for i in range(h, claimers, HOSTS)) for h in range(HOSTS)]
+    assert all(per_host), f"an instance claimed nothing: {per_host}"
+    counts = await hosts[0].counts()
+    assert (counts.pending, counts.running) == (0, total)
+
+
+async def test_racing_recaps_record_one_row_and_one_job(
+    pg_cluster: PostgresCluster, pg_url: str, hosts: list[PostgresStore]
+) -> None:
+    for day in range(1, 11):
+        period = f"2026-11-{day:02d}"
+        results = await asyncio.gather(
+            *(s.record_recap(period, 5, day, NewJob("recap_email", {}, 3)) for s in hosts)
+        )
+        winners = [r for r in results if r is not None]
+        assert len(winners) == 1, (period, results)
+    assert await fetch(pg_cluster, pg_url, "SELECT count(*) FROM recaps") == [(10,)]
+    assert await fetch(
+        pg_cluster, pg_url, "SELECT count(*) FROM jobs WHERE kind = 'recap_email'"
+    ) == [(10,)]
+
+
+async def test_connections_are_labelled_for_restore_checks(
+    pg_cluster: PostgresCluster, pg_url: str, hosts: list[PostgresStore]
+) -> None:
+    names = await fetch(
+        pg_cluster,
+        pg_url,
+        "SELECT DISTINCT application_name FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    assert names == [("toko-api",)]
+
+
+async def test_a_database_that_went_away_is_a_store_error(
+    pg_cluster: PostgresCluster, pg_url: str, hosts: list[PostgresStore]
+) -> None:
+    await pg_cluster.async_drop_database(pg_url)  # WITH (FORCE): our connections die
+    for store in hosts:
+        with pytest.raises(StoreError):
+            await store.counts()
+        with pytest.raises(StoreError):
+            await store.create_product("gone", 1, email_job)
+
+
+class NoMail:
+    async def send(self, email: Email) -> None:
+        raise AssertionError("these tests send no mail")
+
+
+def _context() -> JobContext:
+    return JobContext(NoMail(), "toko@localhost", "admin@toko.com")

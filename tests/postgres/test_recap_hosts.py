@@ -1,0 +1,93 @@
+"""toko-recap started on three "hosts" at the same moment for the same period.
+
+The timers stay enabled everywhere; the database decides: an advisory lock on
+the period plus the period's unique row. One row, one email job, one email.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import date
+from pathlib import Path
+
+from service.models import Product
+from service.store.postgres import PostgresStore
+from service.tasks import product_email_job
+from tests.conftest import ServiceFactory
+from tests.postgres.conftest import clean_env, pg_env, tool_command
+from tests.support.postgres import PostgresCluster, fetch
+from tests.support.smtp import SmtpServer
+
+HOSTS = 3
+PRODUCTS = 7
+
+
+def _job(product: Product) -> object:
+    return product_email_job(product, 3)
+
+
+def _messages(stdout: str) -> list[str]:
+    return [json.loads(line)["message"] for line in stdout.splitlines() if line.startswith("{")]
+
+
+async def test_three_hosts_one_recap_row_one_email(
+    tmp_path: Path,
+    pg_cluster: PostgresCluster,
+    pg_url: str,
+    smtp: SmtpServer,
+    service_factory: ServiceFactory,
+) -> None:
+    store = PostgresStore(pg_url, password=pg_cluster.password)
+    await store.open()
+    try:
+        await asyncio.gather(*(store.create_product(f"p{i}", i, _job) for i in range(PRODUCTS)))
+    finally:
+        await store.close()
+    period = date.today().isoformat()  # the seeded products are today's
+    env = pg_env(pg_cluster, pg_url)
+    command = tool_command("toko-recap", "--period", period)
+    procs = [
+        await asyncio.create_subprocess_exec(
+            *command,
+            env=clean_env(tmp_path, env),
+            cwd=tmp_path,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        for _ in range(HOSTS)
+    ]
+    async with asyncio.timeout(60):
+        results = await asyncio.gather(*(proc.communicate() for proc in procs))
+    outputs = [(out.decode(), err.decode()) for out, err in results]
+    assert [proc.returncode for proc in procs] == [0] * HOSTS, outputs
+    said = [_messages(out) for out, _ in outputs]
+    recorded = [m for m in said if "recap recorded" in m]
+    skipped = [m for m in said if "recap already recorded for this period; nothing to do" in m]
+    assert (len(recorded), len(skipped)) == (1, HOSTS - 1), said
+
+    assert await fetch(
+        pg_cluster, pg_url, "SELECT period, products_total, products_new FROM recaps"
+    ) == [(period, PRODUCTS, PRODUCTS)]
+    (job,) = await fetch(pg_cluster, pg_url, "SELECT id FROM jobs WHERE kind = 'recap_email'")
+    names = await fetch(
+        pg_cluster,
+        pg_url,
+        "SELECT DISTINCT application_name FROM pg_stat_activity WHERE datname = current_database()"
+        " AND application_name LIKE 'toko-%'",
+    )
+    assert names == [], f"a toko-recap left a connection open: {names}"
+
+    # Two API instances (two hosts) drain the queue: still one recap email.
+    apis = [service_factory({**env, "TOKO_SMTP_URL": smtp.url}).start() for _ in range(2)]
+    await asyncio.gather(*(api.async_wait_ready(timeout=30) for api in apis))
+    delivered = await smtp.async_wait_delivered(PRODUCTS + 1, timeout=30)
+    assert f"<job-{job[0]}@localhost>" in delivered
+    recaps = [m for m in smtp.delivered() if m.subject == f"Rekap produk {period}"]
+    assert len(recaps) == 1, recaps
+    for api in apis:
+        api.terminate()
+    for api in apis:
+        assert await api.async_wait_exit(timeout=30) == 0
+    assert len([m for m in smtp.delivered() if "Rekap produk" in m.subject]) == 1
