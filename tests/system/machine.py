@@ -140,6 +140,9 @@ def cached_tree(suite: str) -> Path:
         stamp = final / STAMP
         if stamp.is_file() and stamp.read_text().strip() == RECIPE:
             return final
+        # Leftovers of a build that was killed (we hold the lock: nobody builds now).
+        for stale in CACHE_ROOT.glob(f".{suite}.build-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         _build_tree(suite, final)
         return final
 

@@ -140,15 +140,17 @@ def test_backup_by_hand_is_verified(toko: Deployment) -> None:
     assert toko.sql_at(path, "SELECT count(*) FROM products WHERE nama = 'Gula Aren'") == [(1,)]
 
 
-RESTORE = (
-    # The README's restore command: as toko, with the service's settings.
-    "systemd-run --wait --pipe --quiet --uid=toko -p EnvironmentFile=-/etc/toko/toko.env "
-    "-p StateDirectory=toko /opt/toko/venv/bin/toko-backup --restore {}"
+# The README's way to run a toko command by hand: as toko, with the service's settings.
+AS_SERVICE = (
+    "systemd-run --pipe --wait --quiet --uid=toko -p StateDirectory=toko "
+    "-p EnvironmentFile=-/etc/toko/toko.env /opt/toko/venv/bin/"
 )
+RESTORE = AS_SERVICE + "toko-backup --restore {}"
 
 
 def test_restore_refused_while_running_then_restores(toko: Deployment) -> None:
     backup = toko.machine.sh("ls /var/lib/toko/backups/toko-*.db").stdout.split()[-1]
+    assert backup in toko.machine.sh(AS_SERVICE + "toko-backup --list").stdout
     in_backup = toko.sql_at(backup, "SELECT count(*) FROM products")[0][0]
     toko.post_product("Tidak di backup")
     proc = toko.machine.sh(RESTORE.format(backup), check=False)
@@ -274,7 +276,7 @@ def test_kill9_with_jobs_pending_completes_every_email(
             rows = toko.sql(
                 "SELECT count(*) FROM jobs WHERE kind = 'product_email' AND state != 'done'"
             )
-            return rows[0][0] == 0
+            return bool(rows[0][0] == 0)
 
         wait_until(all_done, 240, "every product_email job to be done", step=1)
         assert len(smtp_server.delivered_ids()) >= len(ids)
