@@ -83,6 +83,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=True,
         help="also measure toko-api with its workers parked (diagnostic: ingest path only)",
     )
+    g.add_argument(
+        "--db-dir",
+        type=Path,
+        default=None,
+        help="where toko-api's SQLite files go (diagnostic: /dev/shm takes fsync out)",
+    )
     g = p.add_argument_group("(b) backlog")
     g.add_argument("--rate", type=float, default=500.0, help="offered POSTs per second")
     g.add_argument("--load-duration", type=float, help="seconds of load (default 30)")
@@ -204,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                             parked=args.parked,
                             quiet_below_pct=args.quiet_below or float("inf"),
                             quiet_max_wait_s=args.quiet_max_wait,
+                            db_dir=args.db_dir,
                         ),
                         workdir / name,
                     )

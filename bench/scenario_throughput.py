@@ -15,6 +15,7 @@ the workers running jobs on the same event loop. It is not part of the target.
 from __future__ import annotations
 
 import contextlib
+import json
 import sqlite3
 import sys
 from collections.abc import Callable
@@ -47,12 +48,34 @@ class ThroughputConfig:
     parked: bool = True
     quiet_below_pct: float = 40.0  # wait for other tenants to calm down first...
     quiet_max_wait_s: float = 15.0  # ...but not for longer than this
+    db_dir: Path | None = None  # e.g. /dev/shm to take the disk out (diagnostic)
 
 
 def baseline_target() -> Target:
     port = free_port()
     cmd = [sys.executable, "-m", "bench.baseline_app", "--listen", f"127.0.0.1:{port}"]
     return Target("baseline", cmd, base_env(), port)
+
+
+def group_commit_factor(log: Path) -> dict[str, float] | None:
+    """COMMITS and WRITES from toko-api's "store closed" line: writes sharing one fsync."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if '"store closed"' in line:
+            try:
+                rec = json.loads(line)
+                commits, writes = int(rec["COMMITS"]), int(rec["WRITES"])
+            except (ValueError, KeyError, TypeError):
+                return None
+            return {
+                "commits": commits,
+                "writes": writes,
+                "writes_per_commit": round(writes / commits, 2) if commits else 0.0,
+            }
+    return None
 
 
 def count_products(db: Path) -> int | None:
@@ -145,6 +168,8 @@ def run(cfg: ThroughputConfig, workdir: Path) -> dict[str, Any]:
         for which in order:
             label = f"r{i + 1}-{which}"
             toko_db = workdir / f"{label}.db"
+            if cfg.db_dir is not None:
+                toko_db = cfg.db_dir / f"toko-bench-{workdir.parent.name}-{label}.db"
             db = None if which == "baseline" else toko_db
             before_stop: Callable[[], object] | None = None
             with contextlib.ExitStack() as stack:
@@ -172,13 +197,22 @@ def run(cfg: ThroughputConfig, workdir: Path) -> dict[str, Any]:
             if db is not None:
                 # Warm-up and measured requests all committed a row.
                 entry["rows_in_db"] = count_products(db)
+                entry["group_commit"] = group_commit_factor(workdir / f"{label}.log")
+                if cfg.db_dir is not None:
+                    for leftover in cfg.db_dir.glob(db.name + "*"):
+                        leftover.unlink()
             rnd[which] = entry
             cpu = extra["cpu"]
             print(
                 f"  round {i + 1} {which:11s} {res.rps:8.0f} req/s  "
                 f"p50 {res.latency_ms['p50']:.2f} ms  p99 {res.latency_ms['p99']:.2f} ms  "
                 f"errors {res.error_count}  cpu%: server {cpu['server_pct']:.0f}, "
-                f"wrk {cpu['children_pct']:.0f}, others {cpu['others_pct']:.0f}",
+                f"wrk {cpu['children_pct']:.0f}, others {cpu['others_pct']:.0f}"
+                + (
+                    f"; writes/commit {entry['group_commit']['writes_per_commit']:.1f}"
+                    if entry.get("group_commit")
+                    else ""
+                ),
                 flush=True,
             )
         rnd["ratio"] = rnd["toko"]["rps"] / rnd["baseline"]["rps"]
@@ -218,6 +252,7 @@ def run(cfg: ThroughputConfig, workdir: Path) -> dict[str, Any]:
             "wrk_threads": cfg.threads,
             "quiet_below_pct": cfg.quiet_below_pct,
             "quiet_max_wait_s": cfg.quiet_max_wait_s,
+            "db_dir": str(cfg.db_dir) if cfg.db_dir else "results work dir",
             "toko_cmd": cfg.toko.argv,
             "toko_revision": cfg.toko.revision,
             "targets": names,
