@@ -52,7 +52,7 @@ class BacklogConfig:
     quiet_max_wait_s: float = 30.0
 
 
-def _product_id(payload: str | None) -> int | None:
+def payload_product_id(payload: str | None) -> int | None:
     try:
         data = json.loads(payload or "")
     except ValueError:
@@ -77,7 +77,7 @@ def inspect_queue(db: Path) -> dict[str, Any]:
         states[str(state)] += 1
         if kind != "product_email":
             continue
-        pid = _product_id(payload)
+        pid = payload_product_id(payload)
         if pid is None:
             unlinked += 1
         else:

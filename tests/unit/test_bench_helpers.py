@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
 from bench.loadgen import Sample, per_second
+from bench.scenario_backlog import payload_product_id
+from bench.scenario_throughput import group_commit_factor
+from bench.sink import read_record
 from bench.stats import fmt_spread, median, percentile, spread
 from bench.wrk import WrkParseError, duration_to_ms, parse_wrk_output
 
@@ -141,3 +145,37 @@ def test_per_second_buckets_by_scheduled_time() -> None:
     assert buckets[0]["max_ms"] == pytest.approx(10.0)
     assert buckets[1]["p50_ms"] == pytest.approx(100.0)
     assert samples[2].latency_ms == pytest.approx(100.0)
+
+
+def test_group_commit_factor_from_store_closed_line(tmp_path: Path) -> None:
+    log = tmp_path / "toko.log"
+    log.write_text(
+        '{"message": "ready"}\n'
+        '{"message": "store closed", "COMMITS": 200, "WRITES": 1000}\n'
+        '{"message": "stopped"}\n'
+    )
+    assert group_commit_factor(log) == {"commits": 200, "writes": 1000, "writes_per_commit": 5.0}
+    log.write_text('{"message": "stopped"}\n')
+    assert group_commit_factor(log) is None
+    assert group_commit_factor(tmp_path / "missing.log") is None
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        ('{"product_id": 7, "nama": "x"}', 7),
+        ('{"product_id": true}', None),
+        ("[1, 2]", None),
+        ("not json", None),
+        (None, None),
+    ],
+)
+def test_product_id_from_job_payload(payload: str | None, expected: int | None) -> None:
+    assert payload_product_id(payload) == expected
+
+
+def test_read_record_skips_torn_lines(tmp_path: Path) -> None:
+    record = tmp_path / "msgs.tsv"
+    record.write_text("1.5\t<job-1@x>\tdelivered\n2.5\t<job-2@x>\tdelivered\n3.0\t<job-")
+    assert read_record(record) == [(1.5, "<job-1@x>", "delivered"), (2.5, "<job-2@x>", "delivered")]
+    assert read_record(tmp_path / "missing.tsv") == []
