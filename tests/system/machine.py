@@ -191,20 +191,30 @@ def _build_tree(suite: str, final: Path) -> None:
 class Machine:
     """One booted copy of a cached tree: prepare(), boot(), then close() in any case."""
 
-    def __init__(self, suite: str, pristine: Path, workdir: Path | None = None) -> None:
+    def __init__(self, suite: str, pristine: Path) -> None:
         self.suite = suite
         self.pristine = pristine
         self.name = f"tokotest-{suite}-{os.getpid()}"
-        self.workdir = workdir or Path(tempfile.mkdtemp(prefix=f"toko-systest-{suite}-"))
-        self.root = self.workdir / "root"
-        self.console_log = self.workdir / "console.log"
+        self.workdir: Path | None = None
         self._nspawn: subprocess.Popen[bytes] | None = None
         self.init_pid = 0
+
+    @property
+    def root(self) -> Path:
+        assert self.workdir is not None, "prepare() first"
+        return self.workdir / "root"
+
+    @property
+    def console_log(self) -> Path:
+        assert self.workdir is not None, "prepare() first"
+        return self.workdir / "console.log"
 
     # -- lifecycle
 
     def prepare(self) -> None:
         """Copy the pristine tree and set it up for this test environment."""
+        # On disk (not a tmpfs /tmp): the tree grows to about 600 MB installed.
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"toko-systest-{self.suite}-", dir="/var/tmp"))
         subprocess.run(
             ["cp", "-a", "--reflink=auto", str(self.pristine), str(self.root)], check=True
         )
@@ -275,7 +285,7 @@ class Machine:
         return state if state in ("running", "degraded") else None
 
     def console_tail(self, lines: int = 40) -> str:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, AssertionError):
             text = self.console_log.read_bytes().decode(errors="replace")
             return "\n".join(text.splitlines()[-lines:])
         return ""
@@ -293,7 +303,8 @@ class Machine:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
         self._nspawn = None
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     # -- commands inside
 
