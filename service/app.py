@@ -7,9 +7,11 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from service.auth import bearer_auth
 from service.errors import json_errors
-from service.keys import NOTIFIER, POOL, SETTINGS, STORE
+from service.keys import METRICS, NOTIFIER, POOL, SETTINGS, STORE
 from service.mail import LogMailer, Mailer, SmtpMailer
+from service.metrics import Metrics
 from service.routes import routes
 from service.settings import Settings
 from service.store import open_store
@@ -31,8 +33,15 @@ def make_mailer(settings: Settings) -> Mailer:
 
 
 def create_app(settings: Settings, notifier: Notifier | None = None) -> web.Application:
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[json_errors])
+    metrics = Metrics()
+    # Outermost first: metrics see every answer, including the JSON errors and 401s.
+    middlewares = [metrics.middleware, json_errors]
+    auth = bearer_auth(settings.api_token)
+    if auth is not None:
+        middlewares.append(auth)
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[SETTINGS] = settings
+    app[METRICS] = metrics
     app[NOTIFIER] = notifier or Notifier(None)
     app.add_routes(routes)
     app.cleanup_ctx.append(_store_ctx)
@@ -59,7 +68,7 @@ async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
         job_timeout=settings.job_timeout,
         backoff_base=settings.job_backoff,
     )
-    pool = WorkerPool(app[STORE], context, HANDLERS, config)
+    pool = WorkerPool(app[STORE], context, HANDLERS, config, observer=app[METRICS])
     app[STORE].add_wakeup_listener(pool.notify)
     await pool.start()
     app[POOL] = pool

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from service.metrics import Metrics
 from service.settings import Settings
 from service.store.base import Store
 from service.systemd import Notifier
@@ -13,3 +14,4 @@ SETTINGS = web.AppKey("settings", Settings)
 STORE = web.AppKey("store", Store)
 POOL = web.AppKey("pool", WorkerPool)
 NOTIFIER = web.AppKey("notifier", Notifier)
+METRICS = web.AppKey("metrics", Metrics)

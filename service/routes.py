@@ -7,9 +7,10 @@ import logging
 from aiohttp import web
 
 from service.errors import json_error
-from service.keys import POOL, SETTINGS, STORE
+from service.keys import METRICS, POOL, SETTINGS, STORE
+from service.openapi import openapi_document
 from service.store.base import StoreError
-from service.tasks import product_email_job
+from service.tasks import PRODUCT_EMAIL, product_email_job
 from service.validation import ID_MAX, page_params, parse_json_object, validate_new_product
 
 log = logging.getLogger("toko.http")
@@ -33,6 +34,7 @@ async def create_product(request: web.Request) -> web.Response:
         nama, harga, lambda p: product_email_job(p, settings.job_max_attempts)
     )
     request.app[POOL].notify()
+    request.app[METRICS].job_enqueued(PRODUCT_EMAIL)
     log.debug("product created", extra={"PRODUCT_ID": product.id, "JOB_ID": job_id})
     return web.json_response(
         product.to_json(), status=201, headers={"Location": f"/produk/{product.id}"}
@@ -74,3 +76,24 @@ async def healthz(request: web.Request) -> web.Response:
         body["error"] = f"worker pool is not running ({pool.alive}/{pool.configured} workers alive)"
         return web.json_response(body, status=503)
     return web.json_response(body)
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    app_metrics = request.app[METRICS]
+    pool = request.app[POOL]
+    try:
+        counts = await request.app[STORE].counts()
+    except StoreError as exc:
+        # Still answer: toko_store_up 0 is what the alert should fire on.
+        log.error("metrics: store failed: %s", exc)
+        app_metrics.set_queue(None)
+    else:
+        app_metrics.set_queue(counts)
+    app_metrics.set_workers(pool.alive, pool.configured)
+    return app_metrics.render()
+
+
+@routes.get("/openapi.json")
+async def openapi(request: web.Request) -> web.Response:
+    return web.Response(body=openapi_document(), content_type="application/json")

@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import unquote, urlsplit
+
+from service.durations import parse_duration
 
 T = TypeVar("T")
 
@@ -51,6 +53,11 @@ class Settings:
     max_body_bytes: int = 64 * 1024
     backup_dir: str = "var/backups"
     backup_keep: int = 7
+    # Bearer token for writes (systemd credential api-token or TOKO_API_TOKEN_FILE).
+    # None: writes are open (development). Kept out of repr so it never reaches a log.
+    api_token: str | None = field(default=None, repr=False)
+    # Done jobs older than this are pruned by toko-recap.
+    job_retention: float = 7 * 86400.0
     # systemd's environment contract, read here so the rest stays pure.
     notify_socket: str | None = None
     watchdog_interval: float | None = None
@@ -86,6 +93,8 @@ class Settings:
             log_level=env.get("TOKO_LOG_LEVEL", _parse_log_level, "INFO"),
             backup_dir=env.get("TOKO_BACKUP_DIR", str, default_backups),
             backup_keep=env.get("TOKO_BACKUP_KEEP", _int_between(1, 10000), 7),
+            api_token=_api_token(environ),
+            job_retention=env.get("TOKO_JOB_RETENTION", _retention, 7 * 86400.0),
             notify_socket=environ.get("NOTIFY_SOCKET") or None,
             watchdog_interval=_watchdog_interval(environ),
             journal=bool(environ.get("JOURNAL_STREAM")),
@@ -199,6 +208,22 @@ def _smtp_from_env(environ: Mapping[str, str]) -> SmtpTarget | None:
 
 def _smtp_password(environ: Mapping[str, str]) -> str | None:
     return _secret_file(environ, "TOKO_SMTP_PASSWORD_FILE", "smtp-password")
+
+
+def _api_token(environ: Mapping[str, str]) -> str | None:
+    token = _secret_file(environ, "TOKO_API_TOKEN_FILE", "api-token")
+    if token is not None and not token:
+        # An empty file would let an empty Bearer token in; refuse rather than guess.
+        raise ConfigError("the API token (TOKO_API_TOKEN_FILE or credential api-token) is empty")
+    return token
+
+
+def _retention(raw: str) -> float:
+    seconds = parse_duration(raw)
+    # Under an hour would prune jobs an admin may still want to look at or retry.
+    if seconds < 3600:
+        raise ValueError("must be a duration of at least 1h, like 12h or 7d")
+    return seconds
 
 
 def _secret_file(environ: Mapping[str, str], file_variable: str, credential: str) -> str | None:

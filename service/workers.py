@@ -23,6 +23,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 from service.models import Job
 from service.store.base import Store, StoreError
@@ -38,6 +39,15 @@ MAX_BACKOFF_SECONDS = 3600.0
 # More deaths than this within the window and the pool gives up replacing.
 DEATH_BUDGET = 5
 DEATH_WINDOW_SECONDS = 60.0
+
+
+JobOutcome = Literal["succeeded", "retried", "failed"]
+
+
+class JobObserver(Protocol):
+    """Told about every finished attempt (metrics). Called on the hot path: be quick."""
+
+    def job_finished(self, kind: str, outcome: JobOutcome, seconds: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,7 @@ class WorkerPool:
         *,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
+        observer: JobObserver | None = None,
     ) -> None:
         self._store = store
         self._context = context
@@ -76,6 +87,7 @@ class WorkerPool:
         self._config = config
         self._clock = clock
         self._rng = rng or random.Random()
+        self._observer = observer
         self._handoff: asyncio.Queue[Job | None] = asyncio.Queue()
         self._wakeup = asyncio.Event()
         self._capacity = asyncio.Event()
@@ -257,13 +269,18 @@ class WorkerPool:
             async with asyncio.timeout(self._config.job_timeout):
                 await handler(job, self._context)
         except Exception as exc:
-            error = _describe(exc)
-            await self._record_failure(job, error, fields)
+            elapsed = time.monotonic() - started  # the attempt, not the store write after it
+            outcome = await self._record_failure(job, _describe(exc), fields)
+            if self._observer is not None and outcome is not None:
+                self._observer.job_finished(job.kind, outcome, elapsed)
             return
-        fields["DURATION_MS"] = round((time.monotonic() - started) * 1000, 1)
+        elapsed = time.monotonic() - started
+        fields["DURATION_MS"] = round(elapsed * 1000, 1)
         self._acks.append(job.id)
         self._ack_wakeup.set()
         self.succeeded += 1
+        if self._observer is not None:
+            self._observer.job_finished(job.kind, "succeeded", elapsed)
         # DEBUG: the job's own line ("email sent") already tells the journal.
         log.debug("job succeeded", extra=fields)
 
@@ -287,24 +304,28 @@ class WorkerPool:
             # (delivery is at-least-once; the Message-ID tells duplicates apart).
             log.error("could not mark jobs done: %s", exc, extra={"JOBS": len(ids)})
 
-    async def _record_failure(self, job: Job, error: str, fields: dict[str, object]) -> None:
+    async def _record_failure(
+        self, job: Job, error: str, fields: dict[str, object]
+    ) -> JobOutcome | None:
+        """Fail or reschedule the job; the outcome, or None if the store could not say."""
         fields = {**fields, "ERROR": error}
         try:
             if job.attempts >= job.max_attempts:
                 await self._store.fail(job.id, error)
                 self.failed += 1
                 log.error("job failed permanently", extra=fields)
-                return
+                return "failed"
             delay = backoff_delay(
                 job.attempts, self._config.backoff_base, self._config.max_backoff, self._rng
             )
             await self._store.retry(job.id, error, self._clock() + delay)
         except StoreError as exc:
             log.error("could not record job failure: %s", exc, extra=fields)
-            return
+            return None
         self.retried += 1
         log.warning("job failed, will retry", extra={**fields, "RETRY_IN_S": round(delay, 3)})
         self.notify()  # the claimer recomputes when the next job falls due
+        return "retried"
 
 
 def _describe(exc: Exception) -> str:

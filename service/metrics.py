@@ -1,0 +1,158 @@
+"""Prometheus metrics for one application: HTTP requests, jobs, queue and workers.
+
+Each app has its own CollectorRegistry (never the process-global one), so two
+apps in one process (tests) do not collide and nothing from imported
+libraries leaks into /metrics. Label values are bounded: routes are the
+matched resource's canonical path or "unmatched", methods outside the usual
+set become "OTHER", job kinds are the handlers' kinds.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from service.models import JOB_STATES, QueueCounts
+from service.workers import JobOutcome
+
+KNOWN_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE"})
+UNMATCHED = "unmatched"
+# Requests are quick (a group commit is a few ms); jobs are SMTP round trips.
+REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# The classic text format every Prometheus (and prometheus-client >= 0.17) speaks;
+# our metric names need nothing newer.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+JOB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def route_label(request: web.Request) -> str:
+    """The matched route's template (``/produk/{id}``), never the raw path."""
+    resource = request.match_info.route.resource
+    if resource is None or request.match_info.http_exception is not None:
+        return UNMATCHED
+    return resource.canonical
+
+
+class Metrics:
+    """The instruments of one app; also the worker pool's job observer."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "toko_http_requests",
+            "HTTP requests answered, by route template, method and status.",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "toko_http_request_duration_seconds",
+            "Time to answer an HTTP request, by route template and method.",
+            ["route", "method"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.jobs_enqueued = Counter(
+            "toko_jobs_enqueued",
+            "Jobs this toko-api enqueued (jobs from toko-recap and toko-alert show in the "
+            "queue gauge and the outcome counters).",
+            ["kind"],
+            registry=r,
+        )
+        self._outcome_counters = {
+            outcome: Counter(
+                f"toko_jobs_{outcome}",
+                f"Job attempts that {outcome}, by kind.",
+                ["kind"],
+                registry=r,
+            )
+            for outcome in ("succeeded", "retried", "failed")
+        }
+        self.job_seconds = Histogram(
+            "toko_job_duration_seconds",
+            "Time one job attempt took, by kind and outcome (succeeded, retried, failed).",
+            ["kind", "outcome"],
+            buckets=JOB_BUCKETS,
+            registry=r,
+        )
+        self.queue_jobs = Gauge(
+            "toko_queue_jobs",
+            "Jobs in the store by state, read at scrape time.",
+            ["state"],
+            registry=r,
+        )
+        self.store_up = Gauge(
+            "toko_store_up", "1 if the store answered the last scrape's queue query.", registry=r
+        )
+        self.workers_alive = Gauge("toko_workers_alive", "Worker tasks alive.", registry=r)
+        self.workers_configured = Gauge(
+            "toko_workers_configured", "Worker tasks configured (TOKO_WORKERS).", registry=r
+        )
+        # Labelled children cached per (kind, outcome): the pool reports
+        # thousands of jobs a second and .labels() costs a lock and a lookup.
+        self._job_children: dict[tuple[str, JobOutcome], tuple[Counter, Histogram]] = {}
+
+    # the worker pool's observer (hot path: keep it to two cached calls) ------------
+    def job_finished(self, kind: str, outcome: JobOutcome, seconds: float) -> None:
+        children = self._job_children.get((kind, outcome))
+        if children is None:
+            children = (
+                self._outcome_counters[outcome].labels(kind),
+                self.job_seconds.labels(kind, outcome),
+            )
+            self._job_children[(kind, outcome)] = children
+        counter, histogram = children
+        counter.inc()
+        histogram.observe(seconds)
+
+    def job_enqueued(self, kind: str) -> None:
+        self.jobs_enqueued.labels(kind).inc()
+
+    # scrape ----------------------------------------------------------------------
+    def set_queue(self, counts: QueueCounts | None) -> None:
+        """Queue figures from the store; None when the store did not answer."""
+        self.store_up.set(0 if counts is None else 1)
+        if counts is not None:
+            for state in JOB_STATES:
+                self.queue_jobs.labels(state).set(getattr(counts, state))
+
+    def set_workers(self, alive: int, configured: int) -> None:
+        self.workers_alive.set(alive)
+        self.workers_configured.set(configured)
+
+    def render(self) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE}
+        )
+
+    # HTTP ------------------------------------------------------------------------
+    @property
+    def middleware(self) -> Middleware:
+        requests, seconds = self.requests, self.request_seconds
+
+        @web.middleware
+        async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+            started = time.perf_counter()
+
+            def observe(status: int) -> None:
+                route = route_label(request)
+                method = request.method if request.method in KNOWN_METHODS else "OTHER"
+                requests.labels(route, method, str(status)).inc()
+                seconds.labels(route, method).observe(time.perf_counter() - started)
+
+            try:
+                response = await handler(request)
+            except web.HTTPException as exc:  # redirects and the like, re-raised on purpose
+                observe(exc.status)
+                raise
+            except Exception:
+                observe(500)  # what aiohttp answers for an exception past json_errors
+                raise
+            # A cancelled request (shutdown) answered nobody: it is not counted.
+            observe(response.status)
+            return response
+
+        return count_requests

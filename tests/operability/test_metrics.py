@@ -1,0 +1,93 @@
+"""/metrics on a real toko-api: the figures move as requests come and jobs run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+from service.app import create_app
+from service.keys import METRICS
+from service.settings import Settings
+from tests.conftest import ServiceFactory
+from tests.operability.scrape import scrape, scrape_until
+from tests.support.api import create_products
+from tests.support.smtp import SmtpServer
+
+KIND = "product_email"
+
+
+async def test_metrics_move_as_jobs_run(service_factory: ServiceFactory, smtp: SmtpServer) -> None:
+    smtp.refuse_subject("Ditolak")  # 550: this one fails both of its attempts
+    svc = service_factory(
+        {
+            "TOKO_SMTP_URL": smtp.url,
+            "TOKO_WORKERS": "2",
+            "TOKO_JOB_MAX_ATTEMPTS": "2",
+            "TOKO_JOB_BACKOFF": "0.05",
+        }
+    ).start()
+    await svc.async_wait_ready(timeout=20)
+    async with aiohttp.ClientSession() as session:
+        before = await scrape(session, svc.base_url)
+        assert before.content_type.startswith("text/plain; version=0.0.4")
+        assert before.value("toko_workers_alive") == 2
+        assert before.value("toko_workers_configured") == 2
+        assert before.value("toko_store_up") == 1
+        assert before.value("toko_queue_jobs", state="done") == 0
+        assert before.value("toko_jobs_enqueued_total", kind=KIND) == 0
+
+        products = await create_products(
+            session, svc.base_url, ["Kopi 1", "Kopi 2", "Kopi 3", "Ditolak 4"]
+        )
+        async with session.get(svc.url(f"/produk/{products[0]['id']}")) as resp:
+            assert resp.status == 200
+        async with session.get(svc.url("/tidak-ada")) as resp:
+            assert resp.status == 404
+        await smtp.async_wait_delivered(3, timeout=20)
+
+        def failed_for_good(records: Sequence[dict[str, Any]]) -> bool:
+            return any(r.get("message") == "job failed permanently" for r in records)
+
+        await svc.logs.async_wait_for(failed_for_good, timeout=20, what="the permanent failure")
+        after = await scrape_until(
+            session,
+            svc.base_url,
+            lambda m: m.value("toko_queue_jobs", state="done") == 3,
+        )
+
+    def grew(name: str, **labels: str) -> float:
+        return after.value(name, **labels) - before.value(name, **labels)
+
+    assert grew("toko_http_requests_total", route="/produk", method="POST", status="201") == 4
+    # The route template, not the raw path: label values stay bounded.
+    assert grew("toko_http_requests_total", route="/produk/{id}", method="GET", status="200") == 1
+    assert grew("toko_http_requests_total", route="unmatched", method="GET", status="404") == 1
+    assert grew("toko_http_request_duration_seconds_count", route="/produk", method="POST") == 4
+    assert grew("toko_jobs_enqueued_total", kind=KIND) == 4
+    assert grew("toko_jobs_succeeded_total", kind=KIND) == 3
+    assert grew("toko_jobs_retried_total", kind=KIND) == 1
+    assert grew("toko_jobs_failed_total", kind=KIND) == 1
+    assert grew("toko_job_duration_seconds_count", kind=KIND, outcome="succeeded") == 3
+    assert grew("toko_job_duration_seconds_count", kind=KIND, outcome="failed") == 1
+    assert after.value("toko_job_duration_seconds_sum", kind=KIND, outcome="succeeded") > 0
+    assert after.value("toko_queue_jobs", state="failed") == 1
+    assert after.value("toko_queue_jobs", state="pending") == 0
+    assert after.value("toko_workers_alive") == 2
+    routes = {dict(labels).get("route") for _, labels in after.samples}
+    assert "/tidak-ada" not in routes
+
+
+def test_each_app_has_its_own_registry() -> None:
+    # A second app in one process must not collide in a global registry.
+    first, second = create_app(Settings()), create_app(Settings())
+    first[METRICS].job_finished(KIND, "succeeded", 0.01)
+    assert first[METRICS].registry is not second[METRICS].registry
+    assert (
+        first[METRICS].registry.get_sample_value("toko_jobs_succeeded_total", {"kind": KIND}) == 1
+    )
+    assert (
+        second[METRICS].registry.get_sample_value("toko_jobs_succeeded_total", {"kind": KIND})
+        is None
+    )
