@@ -2,7 +2,8 @@
 
 Started daily by toko-recap.timer. The recap row is keyed by period, so a
 second run for the same period (a re-run, a catch-up, another host) changes
-nothing and says so.
+nothing and says so. Each run then prunes done jobs older than
+TOKO_JOB_RETENTION (jobs.retention), so the daily timer bounds the database.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 from datetime import date, datetime, timedelta
 
 from jobs.common import JobFailed, run_job
+from jobs.retention import prune_done_jobs
 from service.settings import Settings
 from service.store import open_store
+from service.store.admin import QueueAdmin
 from service.store.base import StoreError
 from service.tasks import recap_email_job
 
@@ -35,7 +39,8 @@ def period_bounds(day: date) -> tuple[float, float]:
     return start.timestamp(), end.timestamp()
 
 
-async def record(settings: Settings, day: date) -> int | None:
+async def record(settings: Settings, day: date, now: float | None = None) -> int | None:
+    """Record ``day``'s recap once, then prune done jobs older than the retention."""
     start, end = period_bounds(day)
     store = open_store(settings, application_name="toko-recap")
     await store.open()
@@ -43,13 +48,18 @@ async def record(settings: Settings, day: date) -> int | None:
         total, new = await store.product_counts(start, end)
         job = recap_email_job(day.isoformat(), total, new, settings.job_max_attempts)
         job_id = await store.record_recap(day.isoformat(), total, new, job)
+        fields = {"PERIOD": day.isoformat(), "PRODUCTS_TOTAL": total, "PRODUCTS_NEW": new}
+        if job_id is None:
+            log.info("recap already recorded for this period; nothing to do", extra=fields)
+        else:
+            log.info("recap recorded", extra={**fields, "JOB_ID": job_id})
+        # After the recap, so a pruning problem never costs the period its recap.
+        if isinstance(store, QueueAdmin):
+            await prune_done_jobs(store, settings.job_retention, now or time.time())
+        else:
+            log.warning("this store cannot prune done jobs; TOKO_JOB_RETENTION is ignored")
     finally:
         await store.close()
-    fields = {"PERIOD": day.isoformat(), "PRODUCTS_TOTAL": total, "PRODUCTS_NEW": new}
-    if job_id is None:
-        log.info("recap already recorded for this period; nothing to do", extra=fields)
-    else:
-        log.info("recap recorded", extra={**fields, "JOB_ID": job_id})
     return job_id
 
 

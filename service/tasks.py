@@ -10,6 +10,7 @@ from service.models import Job, NewJob, Product
 
 PRODUCT_EMAIL = "product_email"
 RECAP_EMAIL = "recap_email"
+ALERT_EMAIL = "alert_email"
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,37 @@ def product_email_job(product: Product, max_attempts: int) -> NewJob:
 def recap_email_job(period: str, total: int, new: int, max_attempts: int) -> NewJob:
     payload = {"period": period, "products_total": total, "products_new": new}
     return NewJob(RECAP_EMAIL, payload, max_attempts)
+
+
+@dataclass(frozen=True)
+class UnitFailure:
+    """A systemd unit that failed, as toko-alert learns it (OnFailure=)."""
+
+    unit: str
+    host: str
+    failed_at: str  # ISO-8601 UTC
+    # systemd's MONITOR_SERVICE_RESULT / _EXIT_CODE / _EXIT_STATUS; empty when not given.
+    result: str = ""
+    exit_code: str = ""
+    exit_status: str = ""
+
+    def to_payload(self) -> dict[str, str]:
+        return {
+            "unit": self.unit,
+            "host": self.host,
+            "failed_at": self.failed_at,
+            "result": self.result,
+            "exit_code": self.exit_code,
+            "exit_status": self.exit_status,
+        }
+
+
+def alert_email_job(failure: UnitFailure, max_attempts: int) -> NewJob:
+    return NewJob(ALERT_EMAIL, failure.to_payload(), max_attempts)
+
+
+def alert_subject(unit: str) -> str:
+    return f"toko: {unit} failed"
 
 
 def _rupiah(amount: int) -> str:
@@ -75,9 +107,39 @@ async def send_recap_email(job: Job, ctx: JobContext) -> None:
     )
 
 
+async def send_alert_email(job: Job, ctx: JobContext) -> None:
+    p = job.payload
+    unit = p["unit"]
+    how = ", ".join(
+        f"{name} {p[key]}"
+        for name, key in (("result", "result"), ("exit", "exit_code"), ("status", "exit_status"))
+        if p.get(key)
+    )
+    body = (
+        f"{unit} failed on {p['host']} at {p['failed_at']}"
+        + (f" ({how})" if how else "")
+        + ".\n\n"
+        + "What happened, and the next scheduled run:\n\n"
+        + f"  journalctl -u {unit} -n 50 --no-pager\n"
+        + f"  systemctl status {unit}\n"
+        + "  systemctl list-timers 'toko-*'\n"
+    )
+    await ctx.mailer.send(
+        Email(
+            job_id=job.id,
+            mail_from=ctx.mail_from,
+            to=ctx.admin_email,
+            subject=alert_subject(unit),
+            body=body,
+            fields=job_fields(job),
+        )
+    )
+
+
 HANDLERS: dict[str, Handler] = {
     PRODUCT_EMAIL: send_product_email,
     RECAP_EMAIL: send_recap_email,
+    ALERT_EMAIL: send_alert_email,
 }
 
 

@@ -26,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from service.models import JOB_STATES, Job, NewJob, Product, QueueCounts
+from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts
+from service.store.admin import JobDetails, QueueStats
 from service.store.base import StoreError
 from service.store.group_commit import BatchFn, GroupCommitWriter
 from service.store.migrations import migrate
@@ -35,6 +36,7 @@ T = TypeVar("T")
 A = TypeVar("A")
 
 _JOB_COLUMNS = "id, kind, payload, state, attempts, max_attempts, run_at, last_error"
+_DETAIL_COLUMNS = f"{_JOB_COLUMNS}, created_at, updated_at, lease_until"
 
 
 def connect(path: str, *, read_only: bool = False) -> sqlite3.Connection:
@@ -62,6 +64,12 @@ def _job_from_row(row: Sequence[Any]) -> Job:
         max_attempts=row[5],
         run_at=row[6],
         last_error=row[7],
+    )
+
+
+def _details_from_row(row: Sequence[Any]) -> JobDetails:
+    return JobDetails(
+        job=_job_from_row(row[:8]), created_at=row[8], updated_at=row[9], lease_until=row[10]
     )
 
 
@@ -252,6 +260,57 @@ class SqliteStore:
             _record_recap, (period, products_total, products_new, job, self._clock())
         )
 
+    # queue administration (QueueAdmin) ---------------------------------------------
+    async def queue_stats(self) -> QueueStats:
+        def read(conn: sqlite3.Connection) -> QueueStats:
+            figures = dict.fromkeys(JOB_STATES, 0)
+            by_kind: dict[str, dict[str, int]] = {}
+            for kind, state, count in conn.execute(
+                "SELECT kind, state, count(*) FROM jobs GROUP BY kind, state ORDER BY kind"
+            ).fetchall():
+                figures[state] += count
+                by_kind.setdefault(kind, dict.fromkeys(JOB_STATES, 0))[state] = count
+            (oldest,) = conn.execute(
+                "SELECT min(run_at) FROM jobs WHERE state = 'pending'"
+            ).fetchone()
+            return QueueStats(QueueCounts(**figures), by_kind, oldest)
+
+        return await self._read(read)
+
+    async def list_jobs(self, state: JobState, limit: int) -> list[JobDetails]:
+        def read(conn: sqlite3.Connection) -> list[JobDetails]:
+            rows = conn.execute(
+                f"SELECT {_DETAIL_COLUMNS} FROM jobs WHERE state = ? "
+                "ORDER BY updated_at DESC, id DESC LIMIT ?",
+                (state, limit),
+            ).fetchall()
+            return [_details_from_row(row) for row in rows]
+
+        return await self._read(read)
+
+    async def job_details(self, job_id: int) -> JobDetails | None:
+        def read(conn: sqlite3.Connection) -> JobDetails | None:
+            row = conn.execute(
+                f"SELECT {_DETAIL_COLUMNS} FROM jobs WHERE id = ?", (job_id,)
+            ).fetchone()
+            return _details_from_row(row) if row else None
+
+        return await self._read(read)
+
+    async def retry_failed(self, job_ids: Sequence[int] | None) -> list[int]:
+        ids = None if job_ids is None else list(job_ids)
+        return await self._write(_retry_failed, (ids, self._clock()))
+
+    async def purge_done(self, older_than: float, chunk: int = 1000) -> int:
+        # Chunks, each its own commit: toko-recap purges while toko-api writes,
+        # and one huge delete would hold SQLite's write lock past their busy timeout.
+        total = 0
+        while True:
+            deleted = await self._write(_purge_done, (older_than, chunk))
+            total += deleted
+            if deleted < chunk:
+                return total
+
 
 # Batch functions for the group-commit writer: each takes every argument queued
 # for it since the last commit and returns one result per argument, in order.
@@ -407,3 +466,51 @@ def _record_recap(conn: sqlite3.Connection, items: list[RecapArg]) -> list[int |
         )
         results.append(job_id)
     return results
+
+
+RetryArg = tuple[list[int] | None, float]
+
+
+def _retry_failed(conn: sqlite3.Connection, items: list[RetryArg]) -> list[list[int]]:
+    # attempts = 0: an admin's retry gets the full attempt budget again;
+    # last_error stays as the history of why it had failed.
+    results = []
+    for ids, now in items:
+        if ids is None:
+            rows = conn.execute(
+                "UPDATE jobs SET state = 'pending', attempts = 0, run_at = ?, "
+                "lease_until = NULL, updated_at = ? WHERE state = 'failed' RETURNING id",
+                (now, now),
+            ).fetchall()
+        else:
+            rows = []
+            for chunk in _ids_in_chunks(ids):
+                rows += conn.execute(
+                    "UPDATE jobs SET state = 'pending', attempts = 0, run_at = ?, "
+                    "lease_until = NULL, updated_at = ? "
+                    f"WHERE state = 'failed' AND id IN ({', '.join('?' * len(chunk))}) "
+                    "RETURNING id",
+                    [now, now, *chunk],
+                ).fetchall()
+        results.append(sorted(row[0] for row in rows))
+    return results
+
+
+def _purge_done(conn: sqlite3.Connection, items: list[tuple[float, int]]) -> list[int]:
+    counts = []
+    for older_than, chunk in items:
+        ids = [
+            row[0]
+            for row in conn.execute(
+                "SELECT id FROM jobs WHERE state = 'done' AND updated_at < ? LIMIT ?",
+                (older_than, chunk),
+            )
+        ]
+        for part in _ids_in_chunks(ids):
+            marks = ", ".join("?" * len(part))
+            # A recap keeps its row (that is what makes a period run once) but
+            # lets go of its pruned email job; the foreign key would refuse otherwise.
+            conn.execute(f"UPDATE recaps SET job_id = NULL WHERE job_id IN ({marks})", part)
+            conn.execute(f"DELETE FROM jobs WHERE id IN ({marks})", part)
+        counts.append(len(ids))
+    return counts

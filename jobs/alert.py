@@ -1,0 +1,78 @@
+"""``toko-alert UNIT``: a timer job failed; say so in the journal and to the admin.
+
+Started by ``toko-alert@.service`` through ``OnFailure=toko-alert@%n.service``
+on toko-recap and toko-backup. It logs at error priority with the failed
+unit's name in the field ``UNIT=`` (``journalctl -p err UNIT=toko-backup.service``)
+and queues an ``alert_email`` job; toko-api's workers send it to
+TOKO_ADMIN_EMAIL like any other email, with retries. The journal entry comes
+first, so even a store that cannot take the job leaves a trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import time
+
+from jobs.common import JobFailed, run_job
+from service.models import iso_utc
+from service.settings import Settings
+from service.store import open_store
+from service.store.base import StoreError
+from service.tasks import UnitFailure, alert_email_job
+
+log = logging.getLogger("toko.alert")
+
+
+async def enqueue_alert(settings: Settings, failure: UnitFailure) -> int:
+    store = open_store(settings, application_name="toko-alert")
+    await store.open()
+    try:
+        return await store.enqueue(alert_email_job(failure, settings.job_max_attempts))
+    finally:
+        await store.close()
+
+
+def _main(args: argparse.Namespace, settings: Settings) -> int:
+    failure = UnitFailure(
+        unit=args.unit,
+        host=socket.gethostname(),
+        failed_at=iso_utc(time.time()),
+        result=args.result,
+        exit_code=args.exit_code,
+        exit_status=args.exit_status,
+    )
+    fields = {
+        "UNIT": failure.unit,
+        "SERVICE_RESULT": failure.result,
+        "EXIT_CODE": failure.exit_code,
+        "EXIT_STATUS": failure.exit_status,
+    }
+    log.error("%s failed", failure.unit, extra=fields)
+    try:
+        job_id = asyncio.run(enqueue_alert(settings, failure))
+    except StoreError as exc:
+        raise JobFailed(f"could not queue the alert email for {failure.unit}: {exc}") from exc
+    log.info("alert email queued", extra={"UNIT": failure.unit, "JOB_ID": job_id})
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="toko-alert",
+        description=(
+            "Report a failed systemd unit: an error entry in the journal and an email "
+            "to TOKO_ADMIN_EMAIL (sent by toko-api)."
+        ),
+    )
+    parser.add_argument(
+        "unit", metavar="UNIT", help="the unit that failed, e.g. toko-backup.service"
+    )
+    # systemd passes these to OnFailure= units as MONITOR_SERVICE_RESULT etc.;
+    # the unit file hands them over as arguments (empty when unknown).
+    parser.add_argument("--result", default="", help="how it failed (exit-code, timeout, ...)")
+    parser.add_argument("--exit-code", default="", help="exited, killed, dumped, ...")
+    parser.add_argument("--exit-status", default="", help="the exit status or signal")
+    return run_job("toko-alert", parser, _main)

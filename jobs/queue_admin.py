@@ -1,0 +1,209 @@
+"""``toko-queue``: look at and repair the job queue of an installed toko.
+
+Talks to the store directly (not over HTTP), with the service's own
+environment: /etc/toko/toko.env when it exists and TOKO_DATABASE is not set
+(``--env-file`` names another). Run it as the service user, e.g.
+``sudo -u toko toko-queue stats``. A retried job runs at the running
+toko-api's next sweep (within a second).
+
+Exit status: 0 done, 1 failed (unknown job, job not failed, store error),
+2 bad usage or configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from jobs import queue_tables
+from jobs.env_file import DEFAULT_ENV_FILE, EnvFileError, cli_environment
+from service import __version__
+from service.durations import parse_duration
+from service.models import JOB_STATES, iso_utc
+from service.settings import ConfigError, Settings
+from service.store import open_store
+from service.store.admin import QueueAdmin
+from service.store.base import Store, StoreError
+
+PROG = "toko-queue"
+LIST_LIMIT_MAX = 10_000
+
+
+class CommandFailed(Exception):
+    """The command could not do what was asked; the message is printed, exit 1."""
+
+
+Output = tuple[Any, str]  # (JSON value, human text)
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} {exc}") from None
+
+
+def _limit(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= LIST_LIMIT_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {LIST_LIMIT_MAX}")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: a subcommand's default must not undo a --json given before it.
+    common.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="output JSON for scripts"
+    )
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect and repair the toko job queue.",
+        epilog=(
+            f"environment: as toko-api's; {DEFAULT_ENV_FILE} is read when it exists and "
+            "TOKO_DATABASE is not set. Run as the service user: sudo -u toko toko-queue stats"
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--json", action="store_true", help="output JSON for scripts")
+    parser.add_argument(
+        "--env-file",
+        metavar="PATH",
+        help=f"read settings from PATH (default: {DEFAULT_ENV_FILE} if TOKO_DATABASE is unset)",
+    )
+    parser.add_argument(
+        "--no-env-file", action="store_true", help="use only the current environment"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("stats", parents=[common], help="jobs by state and kind")
+    listing = sub.add_parser("list", parents=[common], help="jobs in one state, newest first")
+    listing.add_argument("--state", choices=JOB_STATES, required=True)
+    listing.add_argument("--limit", type=_limit, default=50, help="at most N jobs (default 50)")
+    show = sub.add_parser("show", parents=[common], help="one job in full")
+    show.add_argument("id", type=int, metavar="ID")
+    retry = sub.add_parser(
+        "retry", parents=[common], help="run failed jobs again with a fresh attempt budget"
+    )
+    which = retry.add_mutually_exclusive_group(required=True)
+    which.add_argument("ids", type=int, nargs="*", default=[], metavar="ID")
+    which.add_argument("--all-failed", action="store_true", help="every failed job")
+    purge = sub.add_parser("purge", parents=[common], help="delete old done jobs")
+    purge.add_argument(
+        "--done-older-than",
+        type=_duration,
+        required=True,
+        metavar="AGE",
+        help="a duration like 90s, 15m, 12h or 7d",
+    )
+    return parser
+
+
+# commands ------------------------------------------------------------------------
+
+
+async def stats(admin: QueueAdmin, args: argparse.Namespace, now: float) -> Output:
+    result = await admin.queue_stats()
+    return result.to_json(now), queue_tables.stats_text(result, now)
+
+
+async def list_jobs(admin: QueueAdmin, args: argparse.Namespace, now: float) -> Output:
+    jobs = await admin.list_jobs(args.state, args.limit)
+    return [d.to_json() for d in jobs], queue_tables.jobs_text(jobs)
+
+
+async def show(admin: QueueAdmin, args: argparse.Namespace, now: float) -> Output:
+    details = await admin.job_details(args.id)
+    if details is None:
+        raise CommandFailed(f"no job with id {args.id}")
+    return details.to_json(), queue_tables.job_text(details)
+
+
+async def retry(admin: QueueAdmin, args: argparse.Namespace, now: float) -> Output:
+    if args.all_failed:
+        retried = await admin.retry_failed(None)
+        text = f"retried {len(retried)} failed job(s)" + (
+            f": {', '.join(map(str, retried))}" if retried else ""
+        )
+        return {"retried": retried}, text
+    wanted = sorted(set(args.ids))
+    retried = await admin.retry_failed(wanted)
+    refused = []
+    for job_id in sorted(set(wanted) - set(retried)):
+        details = await admin.job_details(job_id)
+        refused.append({"id": job_id, "state": details.job.state if details else None})
+    if refused:
+        why = "; ".join(
+            f"job {r['id']} " + (f"is {r['state']}, not failed" if r["state"] else "does not exist")
+            for r in refused
+        )
+        done = f" (retried: {', '.join(map(str, retried))})" if retried else ""
+        raise CommandFailed(f"not retried: {why}{done}")
+    return {"retried": retried}, f"retried job(s) {', '.join(map(str, retried))}"
+
+
+async def purge(admin: QueueAdmin, args: argparse.Namespace, now: float) -> Output:
+    cutoff = now - args.done_older_than
+    purged = await admin.purge_done(cutoff)
+    text = f"purged {purged} done job(s) last updated before {iso_utc(cutoff)}"
+    return {"purged": purged, "older_than": iso_utc(cutoff)}, text
+
+
+COMMANDS: dict[str, Callable[[QueueAdmin, argparse.Namespace, float], Any]] = {
+    "stats": stats,
+    "list": list_jobs,
+    "show": show,
+    "retry": retry,
+    "purge": purge,
+}
+
+
+# plumbing ------------------------------------------------------------------------
+
+
+async def run_command(settings: Settings, args: argparse.Namespace) -> Output:
+    store: Store = open_store(settings, application_name=PROG)
+    if not isinstance(store, QueueAdmin):
+        raise CommandFailed("this store does not support queue administration yet")
+    await store.open()
+    try:
+        result: Output = await COMMANDS[args.command](store, args, time.time())
+        return result
+    finally:
+        await store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        environ = cli_environment(os.environ, args.env_file, use_default=not args.no_env_file)
+        settings = Settings.from_env(environ)
+    except (EnvFileError, ConfigError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    if not settings.is_postgres and not Path(settings.database).exists():
+        # Opening would create an empty database: say where we looked instead.
+        print(
+            f"{PROG}: no database at {settings.database} (set TOKO_DATABASE, or --env-file)",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        data, text = asyncio.run(run_command(settings, args))
+    except CommandFailed as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    except StoreError as exc:
+        print(f"{PROG}: {exc} (run as the service user: sudo -u toko {PROG} ...)", file=sys.stderr)
+        return 1
+    print(json.dumps(data, ensure_ascii=False, indent=2) if args.json else text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

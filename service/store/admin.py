@@ -1,0 +1,73 @@
+"""Queue administration (``toko-queue``, retention): a protocol beside ``Store``.
+
+Kept apart from :class:`~service.store.base.Store` on purpose: the service's
+hot path needs none of this, and a backend can grow it separately.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from service.models import Job, JobState, QueueCounts, iso_utc
+
+
+@dataclass(frozen=True)
+class JobDetails:
+    """A job with the bookkeeping an admin looks at."""
+
+    job: Job
+    created_at: float
+    updated_at: float
+    lease_until: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        j = self.job
+        return {
+            "id": j.id,
+            "kind": j.kind,
+            "state": j.state,
+            "attempts": j.attempts,
+            "max_attempts": j.max_attempts,
+            "run_at": iso_utc(j.run_at),
+            "created_at": iso_utc(self.created_at),
+            "updated_at": iso_utc(self.updated_at),
+            "lease_until": iso_utc(self.lease_until) if self.lease_until is not None else None,
+            "last_error": j.last_error,
+            "payload": j.payload,
+        }
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    counts: QueueCounts
+    by_kind: dict[str, dict[str, int]]  # kind -> state -> jobs
+    oldest_pending_run_at: float | None
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        oldest = self.oldest_pending_run_at
+        return {
+            "queue": self.counts.to_json(),
+            "by_kind": self.by_kind,
+            "oldest_pending_due_seconds_ago": round(now - oldest, 3) if oldest else None,
+        }
+
+
+@runtime_checkable
+class QueueAdmin(Protocol):
+    async def queue_stats(self) -> QueueStats: ...
+
+    async def list_jobs(self, state: JobState, limit: int) -> list[JobDetails]:
+        """Jobs in ``state``, most recently updated first."""
+
+    async def job_details(self, job_id: int) -> JobDetails | None: ...
+
+    async def retry_failed(self, job_ids: Sequence[int] | None) -> list[int]:
+        """Failed jobs (these, or all when None) back to pending, attempts reset, due now.
+
+        Returns the ids that were failed and are now pending; others are untouched.
+        """
+
+    async def purge_done(self, older_than: float, chunk: int = 1000) -> int:
+        """Delete done jobs last updated before the epoch ``older_than``; how many."""

@@ -1,0 +1,88 @@
+"""toko-alert: a failed unit leaves an error entry and an email that toko-api sends."""
+
+from __future__ import annotations
+
+import configparser
+from pathlib import Path
+
+from tests.conftest import ServiceFactory
+from tests.operability.cli import run
+from tests.support import db
+from tests.support.smtp import SmtpServer
+
+UNITS = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
+
+
+async def test_alert_is_logged_and_mailed(
+    service_factory: ServiceFactory, smtp: SmtpServer
+) -> None:
+    svc = service_factory({"TOKO_SMTP_URL": smtp.url, "TOKO_ADMIN_EMAIL": "bos@toko.test"}).start()
+    await svc.async_wait_ready(timeout=20)
+    result = await run(
+        "toko-alert",
+        "--result=exit-code",
+        "--exit-code=exited",
+        "--exit-status=1",
+        "toko-backup.service",
+        env={"TOKO_DATABASE": str(svc.database)},
+    )
+    assert result.returncode == 0, result
+    (entry,) = [r for r in result.log_records() if r["level"] == "ERROR"]
+    assert entry["UNIT"] == "toko-backup.service"
+    assert entry["message"] == "toko-backup.service failed"
+    assert entry["SERVICE_RESULT"] == "exit-code"
+
+    # Queued by another process: the running toko-api finds it at its sweep.
+    await smtp.async_wait_delivered(1, timeout=15)
+    (mail,) = smtp.delivered()
+    assert mail.subject == "toko: toko-backup.service failed"
+    assert mail.to == ("bos@toko.test",)
+    body = mail.headers.get_body(("plain",))
+    assert body is not None
+    text = body.get_content()
+    assert "journalctl -u toko-backup.service" in text and "exit-code" in text
+    (job,) = db.jobs(svc.database)
+    assert job["kind"] == "alert_email"
+
+
+async def test_alert_logs_even_when_the_store_is_unusable(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    result = await run(
+        "toko-alert",
+        "toko-recap.service",
+        env={"TOKO_DATABASE": str(blocker / "toko.db")},
+    )
+    assert result.returncode == 1
+    errors = [r for r in result.log_records() if r["level"] == "ERROR"]
+    assert errors[0]["UNIT"] == "toko-recap.service"  # the journal entry came first
+    assert "could not queue the alert email" in result.stderr
+
+
+def test_alert_unit_matches_the_timer_jobs() -> None:
+    def service_section(name: str) -> dict[str, list[str]]:
+        options: dict[str, list[str]] = {}
+        section = None
+        for raw in (UNITS / name).read_text().splitlines():
+            line = raw.strip()
+            if line.startswith("["):
+                section = line
+            elif section == "[Service]" and line and not line.startswith("#"):
+                key, _, value = line.partition("=")
+                options.setdefault(key, []).append(value)
+        return options
+
+    alert = service_section("toko-alert@.service")
+    backup = service_section("toko-backup.service")
+    assert alert["Type"] == ["oneshot"]
+    assert "%i" in alert["ExecStart"][0] and "toko-alert" in alert["ExecStart"][0]
+    for key in ("User", "Group", "EnvironmentFile", "StateDirectory", "UMask"):
+        assert alert[key] == backup[key], key
+    not_hardening = {"ExecStart", "Type", "TimeoutStartSec", "Nice", "IOSchedulingClass"}
+    not_hardening |= {"IOSchedulingPriority", "ReadWritePaths", "OnFailure"}
+    hardening = {k: v for k, v in backup.items() if k not in not_hardening}
+    assert {k: alert.get(k) for k in hardening} == hardening
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    parser.read_string((UNITS / "toko-alert@.service").read_text())
+    assert "OnFailure" not in parser["Unit"]  # an alert about an alert would loop

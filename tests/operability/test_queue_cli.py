@@ -1,0 +1,133 @@
+"""toko-queue against a real store while a real toko-api and SMTP server run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from service import __version__
+from tests.conftest import ServiceFactory
+from tests.operability.cli import run
+from tests.support import db
+from tests.support.api import create_products
+from tests.support.smtp import SmtpServer
+
+
+def permanent_failures(count: int) -> Any:
+    def predicate(records: Sequence[dict[str, Any]]) -> bool:
+        return sum(r.get("message") == "job failed permanently" for r in records) >= count
+
+    return predicate
+
+
+async def test_retry_all_failed_gets_them_delivered(
+    service_factory: ServiceFactory, smtp: SmtpServer
+) -> None:
+    smtp.refuse_subject("Gagal")
+    svc = service_factory({"TOKO_SMTP_URL": smtp.url, "TOKO_JOB_MAX_ATTEMPTS": "2"}).start()
+    await svc.async_wait_ready(timeout=20)
+    env = {"TOKO_DATABASE": str(svc.database)}
+    async with aiohttp.ClientSession() as session:
+        await create_products(session, svc.base_url, ["Gagal 1", "Gagal 2", "Gagal 3", "Teh"])
+    await svc.logs.async_wait_for(permanent_failures(3), timeout=30, what="3 failed jobs")
+    await smtp.async_wait_delivered(1, timeout=10)  # "Teh" went through
+
+    stats = await run("toko-queue", "stats", "--json", env=env)
+    assert stats.returncode == 0, stats
+    assert stats.json()["queue"]["failed"] == 3
+    assert stats.json()["by_kind"]["product_email"]["failed"] == 3
+
+    listed = await run("toko-queue", "list", "--state", "failed", "--json", env=env)
+    failed = listed.json()
+    assert len(failed) == 3
+    assert {job["payload"]["nama"] for job in failed} == {"Gagal 1", "Gagal 2", "Gagal 3"}
+    assert all(job["attempts"] == 2 and "550" in job["last_error"] for job in failed)
+    failed_ids = sorted(job["id"] for job in failed)
+
+    table = await run("toko-queue", "list", "--state", "failed", env=env)
+    assert table.returncode == 0
+    header, *rows = table.stdout.splitlines()
+    assert header.split()[:4] == ["ID", "KIND", "STATE", "ATTEMPTS"]
+    assert len(rows) == 3 and all("SMTP 550" in row for row in rows), table.stdout
+
+    shown = await run("toko-queue", "show", str(failed_ids[0]), env=env)
+    assert shown.returncode == 0
+    assert "state         failed" in shown.stdout and "Gagal" in shown.stdout
+
+    smtp.reset()  # the mail server takes them now
+    retried = await run("toko-queue", "retry", "--all-failed", "--json", env=env)
+    assert retried.returncode == 0, retried
+    assert retried.json() == {"retried": failed_ids}
+    # The running toko-api picks them up at its next sweep (no wake-up across processes).
+    delivered = await smtp.async_wait_delivered(4, timeout=15)
+    refused = {m.message_id for m in smtp.messages("refused")}
+    assert refused <= delivered  # the same Message-IDs, now delivered
+    assert len(refused) == 3
+
+    svc.terminate()  # the drain writes every pending ack before exit
+    assert await svc.async_wait_exit(15) == 0
+    for job in db.jobs(svc.database):
+        assert job["state"] == "done", job
+        if job["id"] in failed_ids:
+            assert job["attempts"] == 1, job  # a fresh budget: one attempt since the retry
+
+    again = await run("toko-queue", "retry", str(failed_ids[0]), env=env)
+    assert again.returncode == 1
+    assert f"job {failed_ids[0]} is" in again.stderr and "not failed" in again.stderr
+
+
+async def test_purge_keeps_recent_done_jobs(
+    service_factory: ServiceFactory, smtp: SmtpServer
+) -> None:
+    svc = service_factory({"TOKO_SMTP_URL": smtp.url}).start()
+    await svc.async_wait_ready(timeout=20)
+    env = {"TOKO_DATABASE": str(svc.database)}
+    async with aiohttp.ClientSession() as session:
+        await create_products(session, svc.base_url, ["A", "B"])
+    await smtp.async_wait_delivered(2, timeout=15)
+    svc.terminate()  # so every ack is written before we count
+    assert await svc.async_wait_exit(15) == 0
+    assert db.job_states(svc.database) == {"done": 2}
+
+    kept = await run("toko-queue", "purge", "--done-older-than", "7d", "--json", env=env)
+    assert kept.returncode == 0 and kept.json()["purged"] == 0
+    assert db.job_states(svc.database) == {"done": 2}
+    purged = await run("toko-queue", "purge", "--done-older-than", "0s", env=env)
+    assert purged.returncode == 0 and purged.stdout.startswith("purged 2 done job(s)")
+    assert db.job_states(svc.database) == {}
+    assert db.product_count(svc.database) == 2  # products are never pruned
+
+
+async def test_usage_errors_and_env_file(tmp_path: Path) -> None:
+    version = await run("toko-queue", "--version")
+    assert version.returncode == 0 and __version__ in version.stdout
+    helped = await run("toko-queue", "--help")
+    assert helped.returncode == 0
+    for command in ("stats", "list", "show", "retry", "purge"):
+        assert command in helped.stdout
+
+    bad_age = await run("toko-queue", "purge", "--done-older-than", "7x")
+    assert bad_age.returncode == 2 and "7x" in bad_age.stderr
+    missing = await run("toko-queue", "stats", env={"TOKO_DATABASE": str(tmp_path / "no.db")})
+    assert missing.returncode == 1 and "no database at" in missing.stderr
+    assert not (tmp_path / "no.db").exists()  # looking must not create one
+
+    # The installed service's settings come from its env file, as under systemd.
+    database = tmp_path / "state" / "toko.db"
+    env_file = tmp_path / "toko.env"
+    env_file.write_text(f'# comment\n\nTOKO_DATABASE="{database}"\nTOKO_WORKERS=2\n')
+    recap_env = {"TOKO_DATABASE": str(database)}
+    created = await run("toko-recap", "--period", "2026-01-01", env=recap_env)
+    assert created.returncode == 0, created
+    from_file = await run("toko-queue", "--env-file", str(env_file), "stats", "--json")
+    assert from_file.returncode == 0, from_file
+    assert from_file.json()["by_kind"] == {
+        "recap_email": {"pending": 1, "running": 0, "done": 0, "failed": 0}
+    }
+    broken = tmp_path / "broken.env"
+    broken.write_text("TOKO_DATABASE\n")
+    refused = await run("toko-queue", "--env-file", str(broken), "stats")
+    assert refused.returncode == 2 and "broken.env:1" in refused.stderr
