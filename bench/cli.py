@@ -17,12 +17,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import report, scenario_backlog, scenario_startup, scenario_throughput
+from bench import (
+    report,
+    scenario_backlog,
+    scenario_postgres,
+    scenario_startup,
+    scenario_throughput,
+)
 from bench.procs import REPO, fsync_probe, install_sigterm_as_interrupt, venv_bin
 from bench.toko import TokoCommand, snapshot
 
-SCENARIOS = ("throughput", "backlog", "startup")
-ALIASES = {"a": "throughput", "b": "backlog", "c": "startup", "all": "all"}
+SCENARIOS = ("throughput", "backlog", "startup", "postgres")
+ALIASES = {"a": "throughput", "b": "backlog", "c": "startup", "d": "postgres", "all": "all"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -32,7 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "Load benchmarks for toko-api on 127.0.0.1 with real processes. Scenarios: "
             "(a) throughput: wrk POST /produk at 16 connections, toko-api vs an in-memory "
             "aiohttp baseline; (b) backlog: constant-rate open-loop POSTs while every email "
-            "takes 2 s, then proves no job was lost; (c) startup: spawn to READY=1 and idle RSS."
+            "takes 2 s, then proves no job was lost; (c) startup: spawn to READY=1 and idle RSS; "
+            "(d) postgres: POST throughput with one and two instances on PostgreSQL and jobs/s "
+            "drained, beside SQLite."
         ),
         epilog=(
             "Results: a table on stdout, bench/results/<timestamp>.json and "
@@ -232,6 +240,19 @@ def main(argv: list[str] | None = None) -> int:
                         ),
                         workdir / name,
                     )
+                elif name == "postgres":
+                    results[name] = scenario_postgres.run(
+                        scenario_postgres.PostgresConfig(
+                            toko=toko,
+                            duration_s=args.duration,
+                            warmup_s=args.warmup,
+                            connections=args.connections,
+                            drain_jobs=500 if args.smoke else 5000,
+                            quiet_below_pct=args.quiet_below or float("inf"),
+                            quiet_max_wait_s=args.quiet_max_wait,
+                        ),
+                        workdir / name,
+                    )
                 else:
                     results[name] = scenario_startup.run(
                         scenario_startup.StartupConfig(
@@ -256,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(snapdir, ignore_errors=True)
     missed = [
         n
-        for n in ("throughput", "backlog")
+        for n in ("throughput", "backlog", "postgres")
         if n in results
         and not (results[n]["summary"]["met"] if n == "throughput" else results[n]["met"])
     ]

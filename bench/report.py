@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench import scenario_postgres
 from bench.stats import Spread, fmt_spread
 
 
@@ -124,6 +125,8 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 "",
             )
         )
+    if results.get("postgres"):
+        out += scenario_postgres.report_rows(results["postgres"])
     return out
 
 
