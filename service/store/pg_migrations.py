@@ -68,6 +68,10 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE TRIGGER jobs_notify AFTER INSERT ON jobs
         FOR EACH STATEMENT EXECUTE FUNCTION toko_notify_jobs();
     """,
+    # 2: retention (toko-recap, toko-queue purge) deletes old done jobs by age.
+    """
+    CREATE INDEX jobs_done_updated_at ON jobs (updated_at) WHERE state = 'done';
+    """,
 )
 
 LATEST_VERSION = len(MIGRATIONS)

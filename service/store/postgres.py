@@ -37,7 +37,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 
-from service.models import JOB_STATES, Job, NewJob, Product, QueueCounts
+from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts
+from service.store.admin import JobDetails, QueueStats
 from service.store.base import StoreError
 from service.store.pg_migrations import JOBS_CHANNEL, RECAP_LOCK_CLASS, SchemaTooNew, migrate
 
@@ -45,6 +46,7 @@ T = TypeVar("T")
 log = logging.getLogger("toko.store")
 
 _JOB_COLUMNS = "id, kind, payload::text, state, attempts, max_attempts, run_at, last_error"
+_DETAIL_COLUMNS = f"{_JOB_COLUMNS}, created_at, updated_at, lease_until"
 # Upper bound on one batch so a flood cannot make one statement huge.
 MAX_BATCH = 512
 # Seconds between liveness probes of the idle LISTEN connection, and between
@@ -88,6 +90,12 @@ def _job_from_row(row: Sequence[Any]) -> Job:
 
 def _set_event(event: asyncio.Event, *_: object) -> None:
     event.set()
+
+
+def _details_from_row(row: Sequence[Any]) -> JobDetails:
+    return JobDetails(
+        job=_job_from_row(row[:8]), created_at=row[8], updated_at=row[9], lease_until=row[10]
+    )
 
 
 @dataclass
@@ -494,3 +502,76 @@ class PostgresStore:
                 return job_id
 
         return await self._db(run)
+
+    # queue administration (QueueAdmin: toko-queue, retention) -----------------------
+    async def queue_stats(self) -> QueueStats:
+        figures = dict.fromkeys(JOB_STATES, 0)
+        by_kind: dict[str, dict[str, int]] = {}
+        rows = await self._fetch(
+            "SELECT kind, state, count(*) FROM jobs GROUP BY kind, state ORDER BY kind"
+        )
+        for kind, state, count in rows:
+            figures[state] += int(count)
+            by_kind.setdefault(kind, dict.fromkeys(JOB_STATES, 0))[state] = int(count)
+        oldest = await self._fetchrow("SELECT min(run_at) FROM jobs WHERE state = 'pending'")
+        return QueueStats(QueueCounts(**figures), by_kind, oldest[0] if oldest else None)
+
+    async def list_jobs(self, state: JobState, limit: int) -> list[JobDetails]:
+        rows = await self._fetch(
+            f"SELECT {_DETAIL_COLUMNS} FROM jobs WHERE state = $1 "
+            "ORDER BY updated_at DESC, id DESC LIMIT $2",
+            state,
+            limit,
+        )
+        return [_details_from_row(row) for row in rows]
+
+    async def job_details(self, job_id: int) -> JobDetails | None:
+        row = await self._fetchrow(f"SELECT {_DETAIL_COLUMNS} FROM jobs WHERE id = $1", job_id)
+        return _details_from_row(row) if row else None
+
+    async def retry_failed(self, job_ids: Sequence[int] | None) -> list[int]:
+        # attempts = 0: an admin's retry gets the full attempt budget again;
+        # last_error stays as the history of why it had failed. The jobs are
+        # due now, so every instance hears of them (NOTIFY, same transaction).
+        rows = await self._fetch(
+            f"""
+            WITH retried AS (
+                UPDATE jobs SET state = 'pending', attempts = 0, run_at = $2,
+                       lease_until = NULL, updated_at = $2
+                 WHERE state = 'failed' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+                RETURNING id
+            ), told AS (
+                SELECT pg_notify('{JOBS_CHANNEL}', '') WHERE EXISTS (SELECT 1 FROM retried)
+            )
+            SELECT id FROM retried, (SELECT count(*) FROM told) AS t ORDER BY id
+            """,
+            None if job_ids is None else list(job_ids),
+            self._clock(),
+        )
+        return [int(row[0]) for row in rows]
+
+    async def purge_done(self, older_than: float, chunk: int = 1000) -> int:
+        # Chunks, each its own transaction: no long lock on a big table while
+        # every instance keeps acking. A recap keeps its row (that is what makes
+        # a period run once) but lets go of its pruned email job.
+        total = 0
+        while True:
+            row = await self._fetchrow(
+                """
+                WITH doomed AS (
+                    SELECT id FROM jobs WHERE state = 'done' AND updated_at < $1
+                     LIMIT $2 FOR UPDATE SKIP LOCKED
+                ), unlinked AS (
+                    UPDATE recaps SET job_id = NULL WHERE job_id IN (SELECT id FROM doomed)
+                ), deleted AS (
+                    DELETE FROM jobs WHERE id IN (SELECT id FROM doomed) RETURNING 1
+                )
+                SELECT count(*) FROM deleted
+                """,
+                older_than,
+                chunk,
+            )
+            deleted = int(row[0]) if row else 0
+            total += deleted
+            if deleted < chunk:
+                return total

@@ -1,0 +1,98 @@
+"""Queue administration (toko-queue, retention) on PostgreSQL: the QueueAdmin protocol."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from service.models import NewJob
+from service.store.admin import QueueAdmin
+from service.store.postgres import PostgresStore
+from tests.support.postgres import PostgresCluster, fetch
+from tests.unit.conftest import FakeClock
+
+
+@pytest.fixture
+async def store(pg_cluster: PostgresCluster, pg_url: str) -> AsyncIterator[PostgresStore]:
+    s = PostgresStore(pg_url, password=pg_cluster.password, clock=FakeClock())
+    await s.open()
+    yield s
+    await s.close()
+
+
+def clock_of(store: PostgresStore) -> FakeClock:
+    clock = store._clock
+    assert isinstance(clock, FakeClock)
+    return clock
+
+
+async def test_the_postgres_store_is_a_queue_admin(store: PostgresStore) -> None:
+    # toko-recap prunes only when the store is one (isinstance on the protocol).
+    assert isinstance(store, QueueAdmin)
+
+
+async def test_stats_list_details_and_retry_of_failed_jobs(
+    pg_cluster: PostgresCluster, pg_url: str, store: PostgresStore
+) -> None:
+    clock = clock_of(store)
+    ids = [await store.enqueue(NewJob(kind, {}, 1)) for kind in ("a", "a", "b")]
+    for _ in ids:
+        (job,) = await store.claim(1, 60)
+        await store.fail(job.id, f"broken {job.id}")
+        clock.now += 1
+    stats = await store.queue_stats()
+    assert stats.counts.failed == 3 and stats.oldest_pending_run_at is None
+    assert stats.by_kind["a"]["failed"] == 2 and stats.by_kind["b"]["failed"] == 1
+    listed = await store.list_jobs("failed", 10)
+    assert [d.job.id for d in listed] == list(reversed(ids))  # most recently updated first
+    details = await store.job_details(ids[0])
+    assert details is not None and details.job.last_error == f"broken {ids[0]}"
+    assert await store.job_details(10_000) is None
+
+    other = PostgresStore(pg_url, password=pg_cluster.password)
+    await other.open()
+    heard = asyncio.Event()
+    other.add_wakeup_listener(heard.set)
+    try:
+        async with asyncio.timeout(5):
+            await heard.wait()  # listening
+        heard.clear()
+        assert await store.retry_failed([ids[1], 99_999]) == [ids[1]]
+        async with asyncio.timeout(5):
+            await heard.wait()  # another instance hears that a job is due
+        assert sorted(await store.retry_failed(None)) == [ids[0], ids[2]]
+        assert await store.retry_failed(None) == []
+    finally:
+        await other.close()
+    rows = await fetch(
+        pg_cluster, pg_url, "SELECT state, attempts, last_error FROM jobs ORDER BY id"
+    )
+    assert rows == [("pending", 0, f"broken {i}") for i in ids]
+    assert (await store.queue_stats()).oldest_pending_run_at == clock.now
+
+
+async def test_purge_deletes_old_done_jobs_in_chunks_and_keeps_recaps(
+    pg_cluster: PostgresCluster, pg_url: str, store: PostgresStore
+) -> None:
+    clock = clock_of(store)
+    recap_job = await store.record_recap("2026-11-01", 1, 1, NewJob("recap_email", {}, 1))
+    old = [await store.enqueue(NewJob("k", {}, 1)) for _ in range(7)]
+    jobs = await store.claim(100, 60)
+    await store.complete([j.id for j in jobs])
+    clock.now += 1000
+    new = await store.enqueue(NewJob("k", {}, 1))
+    (job,) = await store.claim(1, 60)
+    await store.complete([job.id])
+    pending = await store.enqueue(NewJob("k", {}, 1))
+
+    assert await store.purge_done(clock.now - 500, chunk=3) == len(old) + 1
+    left = await fetch(pg_cluster, pg_url, "SELECT id FROM jobs ORDER BY id")
+    assert left == [(new,), (pending,)]
+    assert await fetch(pg_cluster, pg_url, "SELECT period, job_id FROM recaps") == [
+        ("2026-11-01", None)
+    ]
+    assert recap_job is not None
+    # The period stays recorded: a second run is still a no-op.
+    assert await store.record_recap("2026-11-01", 1, 1, NewJob("recap_email", {}, 1)) is None
