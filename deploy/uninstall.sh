@@ -55,7 +55,7 @@ else
 fi
 
 for d in /etc/systemd/system/toko-*.d; do
-    if [ -d "$d" ]; then say "keeping admin drop-ins in $d"; fi
+    if [ -n "$(ls -A "$d" 2>/dev/null)" ]; then say "keeping admin drop-ins in $d"; fi
 done
 say "done. The data is kept in $DATA_DIR (database, backups), owned by the system user toko."
 say "to delete it too: rm -rf $DATA_DIR && userdel toko"

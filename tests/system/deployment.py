@@ -79,11 +79,18 @@ class Deployment:
 
     # -- HTTP from the host
 
-    def request(self, method: str, path: str, body: Any = None, timeout: float = 30) -> Response:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        timeout: float = 30,
+        headers: dict[str, str] | None = None,
+    ) -> Response:
         """One request on a fresh connection (Connection: close)."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
-            headers = {"Connection": "close"}
+            headers = {"Connection": "close", **(headers or {})}
             data = None
             if body is not None:
                 data = json.dumps(body).encode()

@@ -102,22 +102,47 @@ def _apt_entries(root: Path = Path("/")) -> Iterator[tuple[str, list[str], list[
                 yield uri, fields.get("suites", "").split(), fields.get("components", "").split()
 
 
+def _host_codename() -> str:
+    for line in Path("/etc/os-release").read_text().splitlines():
+        if line.startswith("VERSION_CODENAME="):
+            return line.partition("=")[2].strip().strip('"')
+    raise MachineError("no VERSION_CODENAME in /etc/os-release: not a Debian host?")
+
+
 def host_mirrors() -> tuple[str, str | None]:
     """The Debian archive and security archive URIs the host's apt uses.
 
-    Taken at run time so no registry host is written into the project.
+    Taken at run time so no registry host is written into the project: the
+    entries for the host's own release (``bookworm``, ``bookworm-security``)
+    with component ``main``; a URI ending in /debian(-security) wins over a
+    third-party repository that happens to use the same suite names.
+    TOKO_SYSTEST_MIRROR (and TOKO_SYSTEST_SECURITY_MIRROR) override them.
     """
-    archive = security = None
+    if "TOKO_SYSTEST_MIRROR" in os.environ:
+        return os.environ["TOKO_SYSTEST_MIRROR"], os.environ.get("TOKO_SYSTEST_SECURITY_MIRROR")
+    codename = _host_codename()
+    archives: list[str] = []
+    securities: list[str] = []
     for uri, suites, components in _apt_entries():
         if "main" not in components:
             continue
-        if any(s.endswith("-security") for s in suites):
-            security = security or uri
-        elif any(re.fullmatch(r"[a-z]+(-updates)?", s) for s in suites):
-            archive = archive or uri
+        if f"{codename}-security" in suites:
+            securities.append(uri)
+        elif codename in suites or f"{codename}-updates" in suites:
+            archives.append(uri)
+
+    def best(uris: list[str], name: str) -> str | None:
+        named = [u for u in uris if u.rstrip("/").endswith("/" + name)]
+        candidates = named or uris
+        return candidates[0] if candidates else None
+
+    archive = best(archives, "debian")
     if archive is None:
-        raise MachineError("no Debian archive (a 'deb' entry with component main) in /etc/apt")
-    return archive, security
+        raise MachineError(
+            f"no Debian archive for {codename} (a 'deb' entry with component main) in the "
+            "host's apt sources; set TOKO_SYSTEST_MIRROR"
+        )
+    return archive, best(securities, "debian-security")
 
 
 # -- the cached tree -------------------------------------------------------------

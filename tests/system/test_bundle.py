@@ -124,6 +124,27 @@ def test_bad_config_fails_once_with_one_clear_line(toko: Deployment) -> None:
     toko.ensure_running()
 
 
+def test_credential_from_drop_in_reaches_the_sandboxed_service(toko: Deployment) -> None:
+    # The README's way to give toko a secret: a root-only file, LoadCredential=.
+    drop_in = "/etc/systemd/system/toko-api.service.d/credential.conf"
+    toko.machine.sh("umask 077; echo 's3cret-token' > /etc/toko/api-token")
+    toko.machine.write(drop_in, "[Service]\nLoadCredential=api-token:/etc/toko/api-token\n")
+    try:
+        toko.machine.run(["systemctl", "daemon-reload"])
+        toko.machine.run(["systemctl", "restart", "toko-api.service"])
+        toko.wait_serving()
+        body = {"nama": "Rahasia", "harga": 1}
+        assert toko.request("POST", "/produk", body).status == 401
+        auth = {"Authorization": "Bearer s3cret-token"}
+        assert toko.request("POST", "/produk", body, headers=auth).status == 201
+    finally:
+        toko.machine.run(["rm", "-f", drop_in, "/etc/toko/api-token"])
+        toko.machine.run(["systemctl", "daemon-reload"])
+        toko.machine.run(["systemctl", "restart", "toko-api.service"])
+    toko.wait_serving()
+    assert toko.post_product("Tanpa token")["id"] > 0
+
+
 def test_backup_by_hand_is_verified(toko: Deployment) -> None:
     toko.post_product("Gula Aren", 30000)
     since = toko.now()
