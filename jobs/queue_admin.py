@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import pwd
 import sys
 import time
 from collections.abc import Callable
@@ -178,6 +179,22 @@ async def run_command(settings: Settings, args: argparse.Namespace) -> Output:
         await store.close()
 
 
+def _sqlite_file_problem(database: Path) -> str | None:
+    if not database.exists():
+        # Opening would create an empty database: say where we looked instead.
+        return f"no database at {database} (set TOKO_DATABASE, or --env-file)"
+    owner = database.stat().st_uid
+    if os.geteuid() == 0 and owner != 0:
+        # root would leave a root-owned -wal/-shm beside the file that the
+        # service user then cannot open: toko-api would fail to start.
+        try:
+            user = pwd.getpwuid(owner).pw_name
+        except KeyError:
+            user = f"#{owner}"
+        return f"run as the database's owner, not root: sudo -u {user} {PROG} ..."
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -186,13 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     except (EnvFileError, ConfigError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    if not settings.is_postgres and not Path(settings.database).exists():
-        # Opening would create an empty database: say where we looked instead.
-        print(
-            f"{PROG}: no database at {settings.database} (set TOKO_DATABASE, or --env-file)",
-            file=sys.stderr,
-        )
-        return 1
+    if not settings.is_postgres:
+        problem = _sqlite_file_problem(Path(settings.database))
+        if problem:
+            print(f"{PROG}: {problem}", file=sys.stderr)
+            return 1
     try:
         data, text = asyncio.run(run_command(settings, args))
     except CommandFailed as exc:

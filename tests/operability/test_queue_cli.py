@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from service import __version__
 from tests.conftest import ServiceFactory
@@ -131,3 +133,16 @@ async def test_usage_errors_and_env_file(tmp_path: Path) -> None:
     broken.write_text("TOKO_DATABASE\n")
     refused = await run("toko-queue", "--env-file", str(broken), "stats")
     assert refused.returncode == 2 and "broken.env:1" in refused.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can hand a file to another user")
+async def test_root_is_refused_on_the_service_users_database(tmp_path: Path) -> None:
+    database = tmp_path / "toko.db"
+    env = {"TOKO_DATABASE": str(database)}
+    created = await run("toko-recap", "--period", "2026-01-01", env=env)
+    assert created.returncode == 0, created
+    os.chown(database, 65534, 65534)  # as if toko-api's user owned it
+    refused = await run("toko-queue", "stats", env=env)
+    assert refused.returncode == 1
+    assert "run as the database's owner" in refused.stderr
+    assert not (tmp_path / "toko.db-wal").exists()
