@@ -78,6 +78,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "%% of one core (default 40; 0 = never wait)",
     )
     p.add_argument("--quiet-max-wait", type=float, default=15.0, help="seconds (default 15)")
+    p.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: print the table of a saved results file and write latest.md from it",
+    )
     p.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
     g = p.add_argument_group("(a) throughput")
     g.add_argument("--runs", type=int, help="alternating rounds (default 3)")
@@ -161,6 +167,13 @@ def _machine() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:
+        saved = json.loads(args.render.read_text())
+        print(report.text_table(saved))
+        md = args.results_dir / "latest.md"
+        md.write_text(report.markdown(saved))
+        print(f"\nbench: wrote {md} from {args.render}")
+        return 0
     install_sigterm_as_interrupt()
     started = datetime.now(UTC)
     stamp = started.strftime("%Y%m%dT%H%M%SZ")
