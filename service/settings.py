@@ -28,7 +28,7 @@ class SmtpTarget:
     host: str
     port: int
     username: str | None
-    password: str | None
+    password: str | None = field(repr=False)  # never in logs or tracebacks
     # smtps:// wraps the whole connection in TLS; smtp:// upgrades with STARTTLS
     # when the server offers it (aiosmtplib's default).
     use_tls: bool
@@ -40,7 +40,7 @@ class Settings:
     listen_port: int = 8080
     database: str = "var/toko.db"
     # PostgreSQL password when not in the URL: systemd credential or file, never env.
-    database_password: str | None = None
+    database_password: str | None = field(default=None, repr=False)
     smtp: SmtpTarget | None = None
     admin_email: str = "admin@toko.com"
     mail_from: str = "toko@localhost"
