@@ -66,6 +66,7 @@ def test_smtp_url_and_password_from_credentials(tmp_path: Path) -> None:
     assert s.smtp is not None
     assert (s.smtp.host, s.smtp.port, s.smtp.username) == ("127.0.0.1", 2525, "mailer")
     assert s.smtp.password == "s3cret"
+    assert "s3cret" not in repr(s)  # settings may end up in a log line or a traceback
     assert not s.smtp.use_tls
 
 
