@@ -2,9 +2,9 @@
 # Install or upgrade toko as systemd services on Debian 12 or later:
 #   sudo make install        (from a checkout)
 # Installs the build packages it needs, the system user toko, a virtualenv in
-# /opt/toko/venv with this checkout, the units, /etc/toko/toko.env (only when
-# missing), and enables and starts toko-api.socket, toko-api.service and both
-# timers. Running it again upgrades in place and keeps the data in /var/lib/toko.
+# /opt/toko/venv with this checkout, the units, /etc/toko/toko.env and the API
+# token /etc/toko/api-token (both only when missing), and enables and starts
+# toko-api.socket, toko-api.service and both timers. Running it again upgrades in place and keeps the data in /var/lib/toko.
 set -eu
 
 PREFIX=/opt/toko
@@ -15,7 +15,7 @@ USER_NAME=toko
 # Build needs of systemd-python (libsystemd-dev, pkg-config, a C compiler, the
 # Python headers) and the venv module; the same list as the Makefile's APT_BUILD.
 APT_PACKAGES="python3-venv python3-dev libsystemd-dev pkg-config gcc"
-UNITS="toko-api.socket toko-api.service toko-recap.service toko-recap.timer toko-backup.service toko-backup.timer"
+UNITS="toko-api.socket toko-api.service toko-recap.service toko-recap.timer toko-backup.service toko-backup.timer toko-alert@.service"
 
 say() { echo "toko install: $*"; }
 die() {
@@ -72,7 +72,7 @@ say "installing toko from $SRC into $VENV"
 # version number did not change.
 "$VENV/bin/pip" install -q --disable-pip-version-check "$BUILD"
 install -m 0644 "$SRC/README.md" "$PREFIX/README.md"
-for cmd in toko-api toko-recap toko-backup; do
+for cmd in toko-api toko-recap toko-backup toko-alert; do
     [ -x "$VENV/bin/$cmd" ] || say "warning: $VENV/bin/$cmd is missing from the package"
 done
 
@@ -92,6 +92,19 @@ if [ -e "$CONF_DIR/toko.env" ]; then
 else
     say "writing $CONF_DIR/toko.env (edit it, then: systemctl restart toko-api)"
     install -m 0640 -o root -g "$USER_NAME" "$SRC/deploy/toko.env.example" "$CONF_DIR/toko.env"
+fi
+
+# The write token: toko-api gets it as a credential (LoadCredential=), the
+# service user cannot read the file. Created once; upgrades keep it.
+if [ -e "$CONF_DIR/api-token" ]; then
+    say "keeping the API token $CONF_DIR/api-token"
+else
+    say "writing a new API token to $CONF_DIR/api-token (clients send it as: Authorization: Bearer <token>)"
+    (
+        umask 077
+        head -c 32 /dev/urandom | base64 | tr -d '+/=\n' >"$CONF_DIR/api-token.new"
+    )
+    mv "$CONF_DIR/api-token.new" "$CONF_DIR/api-token"
 fi
 
 if [ ! -d /run/systemd/system ]; then

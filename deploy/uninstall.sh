@@ -3,15 +3,17 @@
 #   sudo make uninstall
 # Stops and disables the units, removes them, the virtualenv in /opt/toko and
 # an unchanged /etc/toko/toko.env. Keeps /var/lib/toko (database and backups),
-# an edited toko.env, admin drop-ins in /etc/systemd/system/toko-*.d and the
-# system user toko that owns the data, so a later install picks them up again.
+# an edited toko.env, the API token /etc/toko/api-token, admin drop-ins in
+# /etc/systemd/system/toko-*.d and the system user toko that owns the data, so
+# a later install picks them up again.
 set -eu
 
 PREFIX=/opt/toko
 UNIT_DIR=/usr/local/lib/systemd/system
 CONF_DIR=/etc/toko
 DATA_DIR=/var/lib/toko
-UNITS="toko-api.socket toko-api.service toko-recap.service toko-recap.timer toko-backup.service toko-backup.timer"
+UNITS="toko-api.socket toko-api.service toko-recap.service toko-recap.timer toko-backup.service toko-backup.timer toko-alert@.service"
+ENABLED="toko-api.socket toko-api.service toko-recap.timer toko-backup.timer"
 
 say() { echo "toko uninstall: $*"; }
 
@@ -23,12 +25,14 @@ SRC=$(cd "$(dirname "$0")/.." && pwd)
 
 if [ -d /run/systemd/system ]; then
     say "stopping and disabling the units"
-    # Timers first so no job starts meanwhile; the socket with the service, or
-    # a connection would start it again.
+    # Timers, socket and service in one go, so that neither a timer nor a
+    # connection starts anything again; then whatever job may still run.
     # shellcheck disable=SC2086 # one word a unit
-    systemctl disable --now --quiet $UNITS 2>/dev/null || true
+    systemctl disable --now --quiet $ENABLED 2>/dev/null || true
+    systemctl stop toko-recap.service toko-backup.service 'toko-alert@*.service' 2>/dev/null || true
     # shellcheck disable=SC2086
-    systemctl reset-failed $UNITS 2>/dev/null || true
+    systemctl reset-failed $ENABLED toko-recap.service toko-backup.service 'toko-alert@*.service' \
+        2>/dev/null || true
 fi
 
 removed=""
@@ -54,6 +58,9 @@ else
     rmdir "$CONF_DIR" 2>/dev/null || true
 fi
 
+if [ -f "$CONF_DIR/api-token" ]; then
+    say "keeping the API token $CONF_DIR/api-token, so clients still work after a reinstall"
+fi
 for d in /etc/systemd/system/toko-*.d; do
     if [ -n "$(ls -A "$d" 2>/dev/null)" ]; then say "keeping admin drop-ins in $d"; fi
 done

@@ -72,6 +72,7 @@ def deployment(suite: str, trees: dict[str, Future[Path]]) -> Iterator[Deploymen
         machine.boot()
         try:
             toko.make("install")
+            toko.read_token()
         except Exception:
             log(f"{suite}: make install failed; the units' state and journal:\n{toko.diagnose()}")
             raise

@@ -28,7 +28,9 @@ INSTALLED_UNITS = (
     "toko-recap.timer",
     "toko-backup.service",
     "toko-backup.timer",
+    "toko-alert@.service",
 )
+TOKEN_FILE = "/etc/toko/api-token"
 
 
 def checkout_files() -> list[str]:
@@ -57,6 +59,12 @@ class Deployment:
     def __init__(self, machine: Machine, port: int) -> None:
         self.machine = machine
         self.port = port
+        self.token = ""  # the write token, once installed
+
+    def read_token(self) -> str:
+        """The installer's API token (root-only file), remembered for post_product()."""
+        self.token = self.machine.run(["cat", TOKEN_FILE]).stdout.strip()
+        return self.token
 
     # -- set-up (before boot: files an admin could have put there)
 
@@ -103,7 +111,8 @@ class Deployment:
             conn.close()
 
     def post_product(self, nama: str, harga: int = 1000) -> dict[str, Any]:
-        resp = self.request("POST", "/produk", {"nama": nama, "harga": harga})
+        auth = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        resp = self.request("POST", "/produk", {"nama": nama, "harga": harga}, headers=auth)
         assert resp.status == 201, resp
         assert isinstance(resp.body, dict)
         return resp.body
@@ -157,8 +166,12 @@ class Deployment:
         return time.time()
 
     def journal(self, unit: str, since: float | None = None) -> list[dict[str, Any]]:
-        """The unit's journal entries (as journalctl -o json), optionally from ``since`` on."""
-        argv = ["journalctl", "-u", unit, "-o", "json", "--no-pager"]
+        """The unit's journal entries (as journalctl -o json), optionally from ``since`` on.
+
+        ``unit`` may also be a journal match such as ``SYSLOG_IDENTIFIER=toko-alert``.
+        """
+        match = unit if "=" in unit else f"--unit={unit}"
+        argv = ["journalctl", match, "-o", "json", "--no-pager"]
         if since is not None:
             argv.append(f"--since=@{int(since)}")
         out = self.machine.run(argv).stdout

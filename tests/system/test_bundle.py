@@ -124,25 +124,59 @@ def test_bad_config_fails_once_with_one_clear_line(toko: Deployment) -> None:
     toko.ensure_running()
 
 
-def test_credential_from_drop_in_reaches_the_sandboxed_service(toko: Deployment) -> None:
-    # The README's way to give toko a secret: a root-only file, LoadCredential=.
-    drop_in = "/etc/systemd/system/toko-api.service.d/credential.conf"
-    toko.machine.sh("umask 077; echo 's3cret-token' > /etc/toko/api-token")
-    toko.machine.write(drop_in, "[Service]\nLoadCredential=api-token:/etc/toko/api-token\n")
+def test_api_token_from_the_installer_reaches_the_sandboxed_service(toko: Deployment) -> None:
+    # Written by make install, readable by root only; LoadCredential= hands it over.
+    stat = toko.machine.run(["stat", "-c", "%a %U", "/etc/toko/api-token"]).stdout.split()
+    assert stat == ["600", "root"]
+    body = {"nama": "Rahasia", "harga": 1}
+    assert toko.request("POST", "/produk", body).status == 401
+    old = {"Authorization": f"Bearer {toko.token}"}
+    assert toko.request("POST", "/produk", body, headers=old).status == 201
+    # Rotation as the docs say: a new file, a restart.
+    toko.machine.sh(
+        "umask 077; head -c 32 /dev/urandom | base64 | tr -d '+/=' > /etc/toko/api-token"
+    )
+    toko.machine.run(["systemctl", "restart", "toko-api.service"])
+    toko.wait_serving()
+    assert toko.request("POST", "/produk", body, headers=old).status == 401
+    toko.read_token()
+    assert toko.post_product("Token baru")["id"] > 0
+
+
+def test_failed_timer_job_raises_an_alert(toko: Deployment) -> None:
+    # A backup that fails (here: a drop-in makes it run /bin/false).
+    drop_in = "/etc/systemd/system/toko-backup.service.d/fail.conf"
+    toko.machine.write(drop_in, "[Service]\nExecStart=\nExecStart=/bin/false\n")
+    since = toko.now()
     try:
         toko.machine.run(["systemctl", "daemon-reload"])
-        toko.machine.run(["systemctl", "restart", "toko-api.service"])
-        toko.wait_serving()
-        body = {"nama": "Rahasia", "harga": 1}
-        assert toko.request("POST", "/produk", body).status == 401
-        auth = {"Authorization": "Bearer s3cret-token"}
-        assert toko.request("POST", "/produk", body, headers=auth).status == 201
+        proc = toko.machine.run(["systemctl", "start", "toko-backup.service"], check=False)
+        assert proc.returncode != 0
+        assert toko.show("toko-backup.service", "Result") == "exit-code"
+
+        def alerted() -> list[dict[str, Any]]:
+            return [
+                e
+                for e in toko.journal("SYSLOG_IDENTIFIER=toko-alert", since)
+                if e.get("UNIT") == "toko-backup.service" and e.get("PRIORITY") == "3"
+            ]
+
+        (entry,) = wait_until(alerted, 60, "toko-alert's error entry about toko-backup")
+        assert entry.get("SERVICE_RESULT") == "exit-code"
+
+        def mailed() -> list[dict[str, Any]]:
+            return [
+                e
+                for e in toko.journal("toko-api", since)
+                if e.get("MESSAGE") == "email logged"
+                and e.get("SUBJECT") == "toko: toko-backup.service failed"
+            ]
+
+        wait_until(mailed, 60, "the alert email (log mailer) from toko-api")
     finally:
-        toko.machine.run(["rm", "-f", drop_in, "/etc/toko/api-token"])
+        toko.machine.run(["rm", "-f", drop_in])
         toko.machine.run(["systemctl", "daemon-reload"])
-        toko.machine.run(["systemctl", "restart", "toko-api.service"])
-    toko.wait_serving()
-    assert toko.post_product("Tanpa token")["id"] > 0
+        toko.machine.run(["systemctl", "reset-failed", "toko-backup.service"], check=False)
 
 
 def test_backup_by_hand_is_verified(toko: Deployment) -> None:
@@ -314,6 +348,7 @@ def test_reinstall_upgrades_in_place_and_keeps_data(toko: Deployment) -> None:
     toko.wait_serving(old_pid=pid)
     assert toko.sql("SELECT count(*) FROM products")[0][0] == products
     assert "# kept by the upgrade" in toko.machine.run(["cat", "/etc/toko/toko.env"]).stdout
+    assert toko.machine.run(["cat", "/etc/toko/api-token"]).stdout.strip() == toko.token
     mode = toko.machine.run(["stat", "-c", "%a %U %G", "/etc/toko/toko.env"]).stdout.split()
     assert mode == ["640", "root", "toko"]
     assert toko.post_product("Setelah upgrade")["id"] > 0

@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.system
 
 UNITS = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
-SERVICES = ("toko-api.service", "toko-recap.service", "toko-backup.service")
+SERVICES = ("toko-api.service", "toko-recap.service", "toko-backup.service", "toko-alert@.service")
 
 
 def settings(text: str, section: str) -> dict[str, list[str]]:
