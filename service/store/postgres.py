@@ -61,6 +61,11 @@ _CONNECTION_ERRORS = (
     asyncpg.InterfaceError,
     asyncpg.PostgresConnectionError,
     asyncpg.CannotConnectNowError,
+    # Raised, for one, when the server kills a connection mid-operation
+    # ("cannot switch to state ...; another operation is in progress").
+    asyncpg.InternalClientError,
+    # 57P01 and friends: the server is shutting down or was told to end us.
+    asyncpg.exceptions.OperatorInterventionError,
 )
 _DB_ERRORS = (asyncpg.PostgresError, *_CONNECTION_ERRORS)
 
@@ -177,23 +182,39 @@ class PostgresStore:
         return self.batches, self.ops
 
     # plumbing ------------------------------------------------------------------
-    async def _db(self, fn: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
+    async def _db(
+        self, fn: Callable[[asyncpg.Connection], Awaitable[T]], *, retry: bool = False
+    ) -> T:
+        """Run ``fn`` on a pooled connection; database failures become StoreError.
+
+        ``retry``: the call is safe to repeat (a read, an idempotent update), so
+        a connection that died under it (server restart, failover, an admin's
+        pg_terminate_backend; the pool may hold several dead ones) is replaced
+        and the call made again, instead of failing an ack or a health check.
+        """
         if self._pool is None:
             raise StoreError("the store is closed")
-        try:
-            async with self._pool.acquire(timeout=COMMAND_TIMEOUT) as conn:
-                return await fn(conn)
-        except _DB_ERRORS as exc:
-            raise StoreError(f"database call failed: {exc}") from exc
+        attempts = self._pool_size + 1 if retry else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                async with self._pool.acquire(timeout=COMMAND_TIMEOUT) as conn:
+                    return await fn(conn)
+            except _CONNECTION_ERRORS as exc:
+                if attempt == attempts or self._pool is None:
+                    raise StoreError(f"database call failed: {exc}") from exc
+                log.warning("database connection lost, trying again: %s", exc)
+            except asyncpg.PostgresError as exc:
+                raise StoreError(f"database call failed: {exc}") from exc
+        raise AssertionError("unreachable")
 
-    async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
-        return await self._db(lambda conn: conn.fetch(sql, *args))
+    async def _fetch(self, sql: str, *args: Any, retry: bool = False) -> list[asyncpg.Record]:
+        return await self._db(lambda conn: conn.fetch(sql, *args), retry=retry)
 
-    async def _fetchrow(self, sql: str, *args: Any) -> asyncpg.Record | None:
-        return await self._db(lambda conn: conn.fetchrow(sql, *args))
+    async def _fetchrow(self, sql: str, *args: Any, retry: bool = False) -> asyncpg.Record | None:
+        return await self._db(lambda conn: conn.fetchrow(sql, *args), retry=retry)
 
-    async def _execute(self, sql: str, *args: Any) -> str:
-        return await self._db(lambda conn: conn.execute(sql, *args))
+    async def _execute(self, sql: str, *args: Any, retry: bool = False) -> str:
+        return await self._db(lambda conn: conn.execute(sql, *args), retry=retry)
 
     # products ------------------------------------------------------------------
     async def create_product(
@@ -225,7 +246,12 @@ class PostgresStore:
         try:
             await self._insert_products(batch)
         except StoreError as exc:
-            if len(batch) == 1 or not isinstance(exc.__cause__, asyncpg.PostgresError):
+            cause = exc.__cause__
+            bad_row = isinstance(cause, asyncpg.PostgresError) and not isinstance(
+                cause, _CONNECTION_ERRORS
+            )
+            # A lost connection may have committed: never write the batch again.
+            if len(batch) == 1 or not bad_row:
                 for write in batch:
                     if not write.future.done():
                         write.future.set_exception(exc)
@@ -247,6 +273,7 @@ class PostgresStore:
         ids = await self._fetch(
             "SELECT nextval('products_id_seq'), nextval('jobs_id_seq') FROM generate_series(1, $1)",
             len(batch),
+            retry=True,
         )
         rows: list[tuple[_ProductWrite, Product, int, NewJob, str]] = []
         for write, (product_id, job_id) in zip(batch, sorted(ids), strict=True):
@@ -289,7 +316,7 @@ class PostgresStore:
 
     async def get_product(self, product_id: int) -> Product | None:
         row = await self._fetchrow(
-            "SELECT id, nama, harga, created_at FROM products WHERE id = $1", product_id
+            "SELECT id, nama, harga, created_at FROM products WHERE id = $1", product_id, retry=True
         )
         return Product(*row) if row else None
 
@@ -298,6 +325,7 @@ class PostgresStore:
             "SELECT id, nama, harga, created_at FROM products WHERE id > $1 ORDER BY id LIMIT $2",
             after_id,
             limit,
+            retry=True,
         )
         return [Product(*row) for row in rows]
 
@@ -309,6 +337,7 @@ class PostgresStore:
             "  FROM products",
             start,
             end,
+            retry=True,
         )
         assert row is not None
         return int(row[0]), int(row[1])
@@ -361,6 +390,7 @@ class PostgresStore:
                 "WHERE id = ANY($1::bigint[])",
                 list(job_ids),
                 self._clock(),
+                retry=True,
             )
 
     async def retry(self, job_id: int, error: str, run_at: float) -> None:
@@ -383,6 +413,7 @@ class PostgresStore:
             error,
             run_at,
             self._clock(),
+            retry=True,
         )
 
     async def release(self, job_ids: Sequence[int]) -> None:
@@ -401,6 +432,7 @@ class PostgresStore:
             """,
             list(job_ids),
             self._clock(),
+            retry=True,
         )
 
     async def recover_abandoned(self) -> int:
@@ -411,22 +443,27 @@ class PostgresStore:
     async def next_due_at(self) -> float | None:
         row = await self._fetchrow(
             "SELECT least((SELECT min(run_at) FROM jobs WHERE state = 'pending'),"
-            "             (SELECT min(lease_until) FROM jobs WHERE state = 'running'))"
+            "             (SELECT min(lease_until) FROM jobs WHERE state = 'running'))",
+            retry=True,
         )
         return None if row is None or row[0] is None else float(row[0])
 
     async def counts(self) -> QueueCounts:
         figures = dict.fromkeys(JOB_STATES, 0)
-        for state, count in await self._fetch("SELECT state, count(*) FROM jobs GROUP BY state"):
+        for state, count in await self._fetch(
+            "SELECT state, count(*) FROM jobs GROUP BY state", retry=True
+        ):
             figures[state] = int(count)
         return QueueCounts(**figures)
 
     async def get_job(self, job_id: int) -> Job | None:
-        row = await self._fetchrow(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = $1", job_id)
+        row = await self._fetchrow(
+            f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = $1", job_id, retry=True
+        )
         return _job_from_row(row) if row else None
 
     async def ping(self) -> None:
-        await self._fetchrow("SELECT 1")
+        await self._fetchrow("SELECT 1", retry=True)
 
     # wake-ups ----------------------------------------------------------------------
     def add_wakeup_listener(self, callback: Callable[[], None]) -> None:
@@ -508,12 +545,14 @@ class PostgresStore:
         figures = dict.fromkeys(JOB_STATES, 0)
         by_kind: dict[str, dict[str, int]] = {}
         rows = await self._fetch(
-            "SELECT kind, state, count(*) FROM jobs GROUP BY kind, state ORDER BY kind"
+            "SELECT kind, state, count(*) FROM jobs GROUP BY kind, state ORDER BY kind", retry=True
         )
         for kind, state, count in rows:
             figures[state] += int(count)
             by_kind.setdefault(kind, dict.fromkeys(JOB_STATES, 0))[state] = int(count)
-        oldest = await self._fetchrow("SELECT min(run_at) FROM jobs WHERE state = 'pending'")
+        oldest = await self._fetchrow(
+            "SELECT min(run_at) FROM jobs WHERE state = 'pending'", retry=True
+        )
         return QueueStats(QueueCounts(**figures), by_kind, oldest[0] if oldest else None)
 
     async def list_jobs(self, state: JobState, limit: int) -> list[JobDetails]:
@@ -522,11 +561,14 @@ class PostgresStore:
             "ORDER BY updated_at DESC, id DESC LIMIT $2",
             state,
             limit,
+            retry=True,
         )
         return [_details_from_row(row) for row in rows]
 
     async def job_details(self, job_id: int) -> JobDetails | None:
-        row = await self._fetchrow(f"SELECT {_DETAIL_COLUMNS} FROM jobs WHERE id = $1", job_id)
+        row = await self._fetchrow(
+            f"SELECT {_DETAIL_COLUMNS} FROM jobs WHERE id = $1", job_id, retry=True
+        )
         return _details_from_row(row) if row else None
 
     async def retry_failed(self, job_ids: Sequence[int] | None) -> list[int]:

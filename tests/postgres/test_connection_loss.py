@@ -14,7 +14,9 @@ from tests.support.postgres import PostgresCluster, fetch
 async def test_toko_api_survives_its_connections_being_killed(
     service_factory: ServiceFactory, pg_cluster: PostgresCluster, pg_url: str
 ) -> None:
-    api = service_factory(pg_env(pg_cluster, pg_url)).start()
+    # A short job timeout keeps the lease short (2 x 1 + 30 s): a claim whose
+    # answer the kill swallowed leaves its jobs leased until then.
+    api = service_factory(pg_env(pg_cluster, pg_url, TOKO_JOB_TIMEOUT="1")).start()
     await api.async_wait_ready(timeout=30)
     async with aiohttp.ClientSession() as session:
         before = await create_products(session, api.base_url, [f"before {i}" for i in range(5)])
@@ -40,7 +42,7 @@ async def test_toko_api_survives_its_connections_being_killed(
         await wait_healthy(
             session,
             api.base_url,
-            30,
+            60,
             check=lambda b: b["queue"]["pending"] + b["queue"]["running"] == 0,
         )
     stored = {pid for (pid,) in await fetch(pg_cluster, pg_url, "SELECT id FROM products")}
