@@ -54,6 +54,8 @@ MAX_BATCH = 512
 LISTEN_PROBE_SECONDS = 30.0
 LISTEN_RETRY_SECONDS = 1.0
 COMMAND_TIMEOUT = 30.0
+# How long open() waits for an unreachable server (below TimeoutStartSec=60s).
+OPEN_RETRY_SECONDS = 20.0
 # Connection failures: the server is down or gone, not a bad statement.
 _CONNECTION_ERRORS = (
     OSError,
@@ -143,9 +145,25 @@ class PostgresStore:
             "server_settings": {"application_name": self._application_name},
         }
 
+    async def _first_connection(self) -> asyncpg.Connection:
+        # At boot the database (or the network to it) may come up after us:
+        # keep trying for a while rather than fail and hit systemd's start
+        # limit. Refusals (bad password, no such database) fail at once.
+        deadline = time.monotonic() + OPEN_RETRY_SECONDS
+        delay = 0.25
+        while True:
+            try:
+                return await asyncpg.connect(**self._connect_kwargs(), timeout=COMMAND_TIMEOUT)
+            except _CONNECTION_ERRORS as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("database not reachable yet, retrying: %s", exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
     async def open(self) -> None:
         try:
-            conn = await asyncpg.connect(**self._connect_kwargs(), timeout=COMMAND_TIMEOUT)
+            conn = await self._first_connection()
             try:
                 await migrate(conn)
             finally:

@@ -8,6 +8,7 @@ backends.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import AsyncIterator
 
@@ -16,12 +17,14 @@ import pytest
 from service import workers
 from service.mail import Email
 from service.models import Job, NewJob, Product
+from service.store import postgres
 from service.store.base import StoreError
 from service.store.pg_migrations import LATEST_VERSION
 from service.store.postgres import PostgresStore
 from service.tasks import JobContext, product_email_job
 from service.workers import PoolConfig, WorkerPool
 from tests.support.postgres import PostgresCluster, fetch
+from tests.support.service import free_port
 
 HOSTS = 3
 
@@ -205,3 +208,68 @@ class NoMail:
 
 def _context() -> JobContext:
     return JobContext(NoMail(), "toko@localhost", "admin@toko.com")
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
+
+
+class LogSeen(logging.Handler):
+    """Sets an event when a record containing ``text`` is logged (same thread, same loop)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.event = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+async def test_open_waits_for_a_database_that_comes_up_late(
+    pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    # At boot toko-api may start before the database is reachable. A port
+    # with nothing behind it yet; a proxy to the real server opens there later.
+    port = free_port()
+    late_url = pg_url.replace(f":{pg_cluster.port}/", f":{port}/")
+    store = PostgresStore(late_url, password=pg_cluster.password)
+    retrying = LogSeen("database not reachable yet")
+    logging.getLogger("toko.store").addHandler(retrying)
+    try:
+        opening = asyncio.create_task(store.open())
+        async with asyncio.timeout(10):
+            await retrying.event.wait()  # it tried, failed, and waits to try again
+    finally:
+        logging.getLogger("toko.store").removeHandler(retrying)
+
+    async def forward(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection(pg_cluster.host, pg_cluster.port)
+        await asyncio.gather(_pipe(client_r, server_w), _pipe(server_r, client_w))
+
+    proxy = await asyncio.start_server(forward, "127.0.0.1", port)
+    try:
+        async with asyncio.timeout(15):
+            await opening
+        product, _ = await store.create_product("late", 1, email_job)
+        assert (await store.get_product(product.id)) == product
+        await store.close()
+    finally:
+        proxy.close()
+
+
+async def test_open_gives_up_on_an_unreachable_database(
+    pg_cluster: PostgresCluster, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(postgres, "OPEN_RETRY_SECONDS", 0.6)
+    dead = pg_url.replace(f":{pg_cluster.port}/", f":{free_port()}/")
+    with pytest.raises(StoreError, match="cannot open database"):
+        await PostgresStore(dead, password=pg_cluster.password).open()
