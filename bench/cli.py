@@ -84,6 +84,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="JSON",
         help="run nothing: print the table of a saved results file and write latest.md from it",
     )
+    p.add_argument(
+        "--keep-dbs",
+        action="store_true",
+        help="keep the SQLite files of the runs (default: delete them, keep logs and JSON)",
+    )
     p.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
     g = p.add_argument_group("(a) throughput")
     g.add_argument("--runs", type=int, help="alternating rounds (default 3)")
@@ -288,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         _write(results, results_dir, stamp)
         if snapdir is not None:
             shutil.rmtree(snapdir, ignore_errors=True)
+        if not args.keep_dbs:
+            # Tens of MB per run (WAL included); the figures are in the JSON.
+            for pattern in ("*.db", "*.db-wal", "*.db-shm", "*.db.lock"):
+                for path in workdir.rglob(pattern):
+                    path.unlink(missing_ok=True)
     missed = [
         n
         for n in ("throughput", "backlog", "postgres")
