@@ -6,8 +6,10 @@ BIN := $(VENV)/bin
 # Build needs of systemd-python (libsystemd-dev, pkg-config, a C compiler, the
 # Python headers) and the venv module.
 APT_BUILD := python3-venv python3-dev libsystemd-dev pkg-config gcc
-# What the tests use beyond Python: the container tests boot a real systemd.
+# What the tests use beyond Python: the container tests boot a real systemd;
+# the store suite also runs on a throwaway PostgreSQL cluster.
 APT_TEST := systemd-container debootstrap
+APT_PG := postgresql postgresql-client
 APT_BENCH := wrk
 
 .PHONY: help venv run test test-unit test-system lint bench install uninstall clean
@@ -40,10 +42,11 @@ lint: venv
 	$(BIN)/mypy
 
 test: venv lint
-	./scripts/ensure-apt.sh $(APT_TEST)
+	./scripts/ensure-apt.sh $(APT_TEST) $(APT_PG)
 	$(BIN)/pytest
 
 test-unit: venv
+	./scripts/ensure-apt.sh $(APT_PG)
 	$(BIN)/pytest -m "not system"
 
 test-system: venv
@@ -51,7 +54,7 @@ test-system: venv
 	$(BIN)/pytest -m system
 
 bench: venv
-	./scripts/ensure-apt.sh $(APT_BENCH)
+	./scripts/ensure-apt.sh $(APT_BENCH) $(APT_PG)
 	$(BIN)/python -m bench
 
 install:

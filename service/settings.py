@@ -76,7 +76,11 @@ class Settings:
         state_dir = environ.get("STATE_DIRECTORY", "").split(":")[0]
         default_db = str(Path(state_dir) / "toko.db") if state_dir else "var/toko.db"
         database = env.get("TOKO_DATABASE", _parse_database, default_db)
-        default_backups = str(Path(database).parent / "backups")
+        # Backups live beside a SQLite file; a PostgreSQL host keeps its dumps locally.
+        if database.startswith(("postgresql://", "postgres://")):
+            default_backups = str(Path(state_dir) / "backups") if state_dir else "var/backups"
+        else:
+            default_backups = str(Path(database).parent / "backups")
         return cls(
             listen_host=host,
             listen_port=port,

@@ -1,8 +1,8 @@
 """Versioned SQLite schema. Append new steps; never edit a shipped one.
 
-The applied version lives in ``PRAGMA user_version``; each step runs in its
-own transaction together with the version bump, so a crash mid-upgrade leaves
-the previous version intact.
+The applied version lives in ``PRAGMA user_version``; all pending steps run
+in one transaction together with the version bump (SQLite's DDL is
+transactional), so a crash mid-upgrade leaves the previous version intact.
 """
 
 from __future__ import annotations
@@ -52,22 +52,25 @@ LATEST_VERSION = len(MIGRATIONS)
 
 def migrate(conn: sqlite3.Connection) -> int:
     """Bring the schema up to date; return the version it was at before."""
-    (before,) = conn.execute("PRAGMA user_version").fetchone()
-    if before > LATEST_VERSION:
-        raise RuntimeError(
-            f"database schema version {before} is newer than this toko ({LATEST_VERSION}); "
-            "upgrade toko or restore a matching backup"
-        )
-    for version in range(before + 1, LATEST_VERSION + 1):
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+    # Read the version inside the write transaction: two processes opening a
+    # new file at once (toko-api and toko-recap at first boot) must not both
+    # decide to create the tables.
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        (before,) = conn.execute("PRAGMA user_version").fetchone()
+        if before > LATEST_VERSION:
+            raise RuntimeError(
+                f"database schema version {before} is newer than this toko ({LATEST_VERSION}); "
+                "upgrade toko or restore a matching backup"
+            )
+        for version in range(before + 1, LATEST_VERSION + 1):
             for statement in _statements(MIGRATIONS[version - 1]):
                 conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {version}")
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
     return int(before)
 
 

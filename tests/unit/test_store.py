@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from service.models import NewJob, Product
 from service.store.base import Store, StoreError
-from service.store.migrations import LATEST_VERSION
-from service.store.sqlite import SqliteStore
+from service.store.migrations import LATEST_VERSION, migrate
+from service.store.sqlite import SqliteStore, connect
 from service.tasks import product_email_job
 from tests.unit.conftest import Backend, FakeClock
 
@@ -191,3 +193,19 @@ async def test_closed_store_raises_store_error(backend: Backend) -> None:
         await s.counts()
     with pytest.raises(StoreError):
         await s.create_product("late", 1, email_job)
+
+
+def test_concurrent_first_opens_migrate_once(tmp_path: Path) -> None:
+    # toko-api and toko-recap may open a brand-new file at the same moment.
+    path = str(tmp_path / "fresh.db")
+
+    def open_and_migrate(_: int) -> int:
+        conn = connect(path)
+        try:
+            return migrate(conn)
+        finally:
+            conn.close()
+
+    with ThreadPoolExecutor(6) as pool:
+        befores = list(pool.map(open_and_migrate, range(6)))
+    assert sorted(befores) == [0] + [LATEST_VERSION] * 5, "exactly one opener created the schema"
