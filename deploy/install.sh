@@ -72,6 +72,8 @@ say "installing toko from $SRC into $VENV"
 # version number did not change.
 "$VENV/bin/pip" install -q --disable-pip-version-check "$BUILD"
 install -m 0644 "$SRC/README.md" "$PREFIX/README.md"
+# The current settings with their comments, to compare a kept toko.env with.
+install -m 0644 "$SRC/deploy/toko.env.example" "$PREFIX/toko.env.example"
 for cmd in toko-api toko-recap toko-backup toko-alert; do
     [ -x "$VENV/bin/$cmd" ] || say "warning: $VENV/bin/$cmd is missing from the package"
 done
@@ -88,7 +90,7 @@ say "units in $UNIT_DIR${changed:+, changed:$changed}"
 
 install -d -m 0750 -o root -g "$USER_NAME" "$CONF_DIR"
 if [ -e "$CONF_DIR/toko.env" ]; then
-    say "keeping $CONF_DIR/toko.env"
+    say "keeping $CONF_DIR/toko.env (all settings, commented: $PREFIX/toko.env.example)"
 else
     say "writing $CONF_DIR/toko.env (edit it, then: systemctl restart toko-api)"
     install -m 0640 -o root -g "$USER_NAME" "$SRC/deploy/toko.env.example" "$CONF_DIR/toko.env"
