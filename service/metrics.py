@@ -94,6 +94,9 @@ class Metrics:
         # Labelled children cached per (kind, outcome): the pool reports
         # thousands of jobs a second and .labels() costs a lock and a lookup.
         self._job_children: dict[tuple[str, JobOutcome], tuple[Counter, Histogram]] = {}
+        self._enqueued_children: dict[str, Counter] = {}
+        # The same for every request: one dict lookup instead of two .labels().
+        self._request_children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
 
     # the worker pool's observer (hot path: keep it to two cached calls) ------------
     def job_finished(self, kind: str, outcome: JobOutcome, seconds: float) -> None:
@@ -109,7 +112,10 @@ class Metrics:
         histogram.observe(seconds)
 
     def job_enqueued(self, kind: str) -> None:
-        self.jobs_enqueued.labels(kind).inc()
+        child = self._enqueued_children.get(kind)
+        if child is None:
+            child = self._enqueued_children[kind] = self.jobs_enqueued.labels(kind)
+        child.inc()
 
     # scrape ----------------------------------------------------------------------
     def set_queue(self, counts: QueueCounts | None) -> None:
@@ -129,30 +135,40 @@ class Metrics:
         )
 
     # HTTP ------------------------------------------------------------------------
+    def observe_request(self, request: web.Request, status: int, seconds: float) -> None:
+        route = route_label(request)
+        method = request.method if request.method in KNOWN_METHODS else "OTHER"
+        key = (route, method, status)
+        children = self._request_children.get(key)
+        if children is None:
+            children = (
+                self.requests.labels(route, method, str(status)),
+                self.request_seconds.labels(route, method),
+            )
+            self._request_children[key] = children
+        counter, histogram = children
+        counter.inc()
+        histogram.observe(seconds)
+
     @property
     def middleware(self) -> Middleware:
-        requests, seconds = self.requests, self.request_seconds
+        observe = self.observe_request
+        clock = time.perf_counter
 
         @web.middleware
         async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
-            started = time.perf_counter()
-
-            def observe(status: int) -> None:
-                route = route_label(request)
-                method = request.method if request.method in KNOWN_METHODS else "OTHER"
-                requests.labels(route, method, str(status)).inc()
-                seconds.labels(route, method).observe(time.perf_counter() - started)
-
+            started = clock()
             try:
                 response = await handler(request)
             except web.HTTPException as exc:  # redirects and the like, re-raised on purpose
-                observe(exc.status)
+                observe(request, exc.status, clock() - started)
                 raise
             except Exception:
-                observe(500)  # what aiohttp answers for an exception past json_errors
+                # What aiohttp answers for an exception past json_errors.
+                observe(request, 500, clock() - started)
                 raise
             # A cancelled request (shutdown) answered nobody: it is not counted.
-            observe(response.status)
+            observe(request, response.status, clock() - started)
             return response
 
         return count_requests

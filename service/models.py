@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Literal
 
 JobState = Literal["pending", "running", "done", "failed"]
@@ -12,9 +13,18 @@ JOB_STATES: tuple[JobState, ...] = ("pending", "running", "done", "failed")
 
 def iso_utc(epoch: float) -> str:
     """Seconds since the epoch as ISO-8601 UTC with milliseconds, e.g. 2026-11-29T18:00:00.123Z."""
-    return (
-        datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    )
+    # Every response and log line formats a time; this is several times faster
+    # than datetime.isoformat, and the second's text is cached.
+    seconds = int(epoch)
+    micros = round((epoch - seconds) * 1_000_000)  # rounded as datetime does
+    if micros >= 1_000_000:
+        seconds, micros = seconds + 1, micros - 1_000_000
+    return f"{_second_text(seconds)}.{micros // 1000:03d}Z"
+
+
+@functools.lru_cache(maxsize=4)
+def _second_text(seconds: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
 
 
 @dataclass(frozen=True)
