@@ -58,3 +58,25 @@ def test_json_lines_carry_structured_fields() -> None:
     assert line["level"] == "INFO"
     assert (line["JOB_ID"], line["WORKER"]) == (7, "worker-1")
     assert line["ts"].endswith("Z")
+
+
+def test_journal_entries_carry_only_our_fields() -> None:
+    from service.logs import StructuredJournalHandler
+
+    sent: list[tuple[str, dict[str, object]]] = []
+
+    def send(message: str, **fields: object) -> None:  # stands in for sd_journal_send
+        sent.append((message, fields))
+
+    handler = StructuredJournalHandler(sender_function=send, SYSLOG_IDENTIFIER="toko-api")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    record = logging.LogRecord("toko.worker", logging.ERROR, __file__, 1, "job %s", ("x",), None)
+    record.JOB_ID = 7
+    record.lower = "dropped"
+    handler.emit(record)
+    ((message, fields),) = sent
+    assert message == "job x"
+    assert fields["SYSLOG_IDENTIFIER"] == "toko-api"
+    assert fields["JOB_ID"] == 7
+    assert fields["PRIORITY"] == "3"
+    assert all(key.isupper() for key in fields)
