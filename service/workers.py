@@ -35,6 +35,8 @@ log = logging.getLogger("toko.worker")
 SWEEP_SECONDS = 1.0
 # Backing off when the store itself fails, so a broken disk is not hammered.
 STORE_RETRY_SECONDS = 1.0
+# How long stop() waits for a claim in flight before cancelling it.
+CLAIMER_STOP_SECONDS = 5.0
 MAX_BACKOFF_SECONDS = 3600.0
 # More deaths than this within the window and the pool gives up replacing.
 DEATH_BUDGET = 5
@@ -157,10 +159,7 @@ class WorkerPool:
         still running at the deadline (they run again at the next start).
         """
         self._stopping = True
-        if self._claimer is not None:
-            self._claimer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._claimer
+        await self._stop_claimer()
         unstarted: list[int] = []
         while not self._handoff.empty():
             job = self._handoff.get_nowait()
@@ -193,13 +192,30 @@ class WorkerPool:
         return left
 
     # claimer ---------------------------------------------------------------------
+    async def _stop_claimer(self) -> None:
+        """Let the claimer finish a claim in flight rather than cancel it.
+
+        A cancelled claim still commits in the writer thread; its jobs would be
+        left "running" with nobody holding them until the next start (or, on a
+        shared database, until their lease expires).
+        """
+        if self._claimer is None or self._claimer.done():
+            return
+        self._wakeup.set()
+        self._capacity.set()
+        done, _ = await asyncio.wait([self._claimer], timeout=CLAIMER_STOP_SECONDS)
+        if not done:  # the store hangs: give up on the claim
+            self._claimer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._claimer
+
     async def _claim_loop(self) -> None:
-        while True:
+        while not self._stopping:
             free = self.alive + self._config.workers - self._busy - self._handoff.qsize()
             if free <= 0:
                 self._capacity.clear()
                 await self._capacity.wait()
-                continue
+                continue  # (re-checks _stopping: stop() sets _capacity)
             # Clear before claiming: a job committed during the claim sets it
             # again, so no wake-up is lost between the claim and the wait.
             self._wakeup.clear()
@@ -213,6 +229,8 @@ class WorkerPool:
             except StoreError as exc:
                 log.error("claiming jobs failed, retrying: %s", exc)
                 wait = STORE_RETRY_SECONDS
+            if self._stopping:
+                return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), wait)
 

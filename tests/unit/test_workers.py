@@ -215,3 +215,42 @@ def test_backoff_grows_exponentially_with_jitter() -> None:
         delays = [backoff_delay(attempt, 2.0, 3600.0, rng) for _ in range(200)]
         assert all(base / 2 <= d <= base for d in delays)
         assert max(delays) - min(delays) > base / 4, "no jitter"
+
+
+class PausedClaims:
+    """The real store, with each claim held at a gate: stop() must come mid-claim."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.claiming = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    async def claim(self, limit: int, lease_seconds: float) -> list[Job]:
+        write = asyncio.ensure_future(self._store.claim(limit, lease_seconds))
+        self.claiming.set()
+        await self.gate.wait()
+        return await write
+
+
+async def test_stop_during_a_claim_leaves_no_job_running(store: Store) -> None:
+    # A claim cut off by cancellation still commits in the writer, leaving
+    # "running" rows that nobody holds until the next start or lease expiry.
+    async def handler(job: Job, ctx: JobContext) -> None:
+        pass
+
+    for i in range(5):
+        await store.enqueue(NewJob("k", {"i": i}, 3))
+    paused = PausedClaims(store)
+    pool = WorkerPool(paused, CONTEXT, {"k": handler}, PoolConfig(workers=1, job_timeout=5))  # type: ignore[arg-type]
+    await pool.start()
+    await paused.claiming.wait()
+    stopping = asyncio.create_task(pool.stop(5.0, lambda busy: None))
+    await asyncio.sleep(0)  # stop() is now waiting on the claim in flight
+    paused.gate.set()
+    await stopping
+    counts = await store.counts()
+    assert counts.running == 0, counts
+    assert counts.pending + counts.done == 5
