@@ -9,7 +9,7 @@ from aiohttp import web
 
 from service.auth import bearer_auth
 from service.errors import json_errors
-from service.keys import METRICS, NOTIFIER, POOL, SETTINGS, STORE
+from service.keys import HTTP_STATE, METRICS, NOTIFIER, POOL, SETTINGS, STORE, HttpState
 from service.mail import LogMailer, Mailer, SmtpMailer
 from service.metrics import Metrics
 from service.routes import routes
@@ -42,11 +42,20 @@ def create_app(settings: Settings, notifier: Notifier | None = None) -> web.Appl
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[SETTINGS] = settings
     app[METRICS] = metrics
+    app[HTTP_STATE] = HttpState()
+    app.on_response_prepare.append(_close_connections_when_draining)
     app[NOTIFIER] = notifier or Notifier(None)
     app.add_routes(routes)
     app.cleanup_ctx.append(_store_ctx)
     app.cleanup_ctx.append(_pool_ctx)
     return app
+
+
+async def _close_connections_when_draining(
+    request: web.Request, response: web.StreamResponse
+) -> None:
+    if request.app[HTTP_STATE].draining:
+        response.force_close()
 
 
 async def _store_ctx(app: web.Application) -> AsyncIterator[None]:

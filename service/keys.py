@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from aiohttp import web
 
 from service.metrics import Metrics
@@ -10,8 +12,17 @@ from service.store.base import Store
 from service.systemd import Notifier
 from service.workers import WorkerPool
 
+
+@dataclass
+class HttpState:
+    # Set on SIGTERM: answers then carry "Connection: close", so clients open
+    # their next connection to the new process instead of reusing this one.
+    draining: bool = False
+
+
 SETTINGS = web.AppKey("settings", Settings)
 STORE = web.AppKey("store", Store)
 POOL = web.AppKey("pool", WorkerPool)
 NOTIFIER = web.AppKey("notifier", Notifier)
 METRICS = web.AppKey("metrics", Metrics)
+HTTP_STATE = web.AppKey("http_state", HttpState)

@@ -17,7 +17,7 @@ import time
 from aiohttp import web
 
 from service.app import create_app
-from service.keys import POOL, STORE
+from service.keys import HTTP_STATE, POOL, STORE
 from service.settings import Settings
 from service.systemd import Notifier, passed_listen_sockets
 from service.workers import WorkerPool
@@ -28,6 +28,9 @@ STATUS_SECONDS = 5.0
 GIL_SWITCH_SECONDS = 0.0005
 # In-flight HTTP requests get this long after the socket closes.
 REQUEST_GRACE_SECONDS = 5.0
+# After the listening socket closes, connections accepted just before get this
+# long to send their request; closing them unanswered would fail those clients.
+ACCEPTED_GRACE_SECONDS = 1.0
 
 
 class SideTaskDied(RuntimeError):
@@ -78,7 +81,8 @@ async def serve(settings: Settings) -> None:
         for task in side_tasks:
             task.cancel()
         await asyncio.gather(*side_tasks, return_exceptions=True)
-        await runner.cleanup()  # closes the socket, drains requests, then jobs, then the store
+        await _stop_accepting(app, runner)
+        await runner.cleanup()  # drains requests, then jobs, then closes the store
         notifier.close()
     log.info("stopped")
 
@@ -92,6 +96,25 @@ async def _start_site(runner: web.AppRunner, settings: Settings) -> str:
     site = web.TCPSite(runner, settings.listen_host, settings.listen_port, backlog=1024)
     await site.start()
     return f"{settings.listen_host}:{settings.listen_port}"
+
+
+async def _stop_accepting(app: web.Application, runner: web.AppRunner) -> None:
+    """Stop accepting, then let connections already accepted deliver their request.
+
+    Under socket activation systemd keeps the listening socket, so new
+    connections wait for the next process; but a connection this process
+    accepted and has not yet read from would be closed unanswered by aiohttp's
+    shutdown. Answers from now on say "Connection: close", so the connections
+    go away as soon as they are served.
+    """
+    app[HTTP_STATE].draining = True
+    for site in list(runner.sites):
+        await site.stop()
+    server = runner.server
+    deadline = time.monotonic() + ACCEPTED_GRACE_SECONDS
+    # aiohttp has no event for a closed connection, so look a few times.
+    while server is not None and server.connections and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.02)
 
 
 async def _wait_for_stop(stop: asyncio.Event, supervised: list[asyncio.Task[None]]) -> None:
