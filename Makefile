@@ -19,7 +19,7 @@ help:
 	@echo "make test         lint and the whole test suite (unit, integration, system)"
 	@echo "make test-unit    the tests without the systemd container"
 	@echo "make test-system  only the systemd container tests"
-	@echo "make bench        load benchmarks (results in bench/results/)"
+	@echo "make bench        load benchmarks (results in bench/results/; BENCH_ARGS=\"--smoke -s a\")"
 	@echo "sudo make install / uninstall   deploy as systemd services"
 
 $(BIN)/.installed: pyproject.toml
@@ -55,7 +55,7 @@ test-system: venv
 
 bench: venv
 	./scripts/ensure-apt.sh $(APT_BENCH) $(APT_PG)
-	$(BIN)/python -m bench
+	$(BIN)/python -m bench $(BENCH_ARGS)
 
 install:
 	./deploy/install.sh

@@ -18,6 +18,7 @@ EPILOG = """\
 configuration comes from the environment (under systemd: /etc/toko/toko.env):
   TOKO_LISTEN            host:port to listen on (default 127.0.0.1:8080)
   TOKO_DATABASE          SQLite file (default $STATE_DIRECTORY/toko.db or ./var/toko.db)
+                         or a postgresql://user@host:port/db URL
   TOKO_SMTP_URL          smtp://[user@]host:port; unset: emails go to the log
   TOKO_ADMIN_EMAIL       who gets the emails (default admin@toko.com)
   TOKO_MAIL_FROM         sender address (default toko@localhost)
@@ -26,9 +27,12 @@ configuration comes from the environment (under systemd: /etc/toko/toko.env):
   TOKO_JOB_BACKOFF       base seconds of the exponential retry backoff (default 2)
   TOKO_JOB_TIMEOUT       seconds one attempt may take (default 30)
   TOKO_DRAIN_TIMEOUT     seconds running jobs get to finish on stop (default 10)
+  TOKO_JOB_RETENTION     age after which toko-recap prunes done jobs (default 7d)
   TOKO_LOG_LEVEL         debug, info, warning or error (default info)
-The SMTP password is read from the systemd credential 'smtp-password' or from
-the file named by TOKO_SMTP_PASSWORD_FILE.
+Secrets come from systemd credentials or files, never from the environment:
+  smtp-password  or TOKO_SMTP_PASSWORD_FILE      the SMTP password
+  db-password    or TOKO_DATABASE_PASSWORD_FILE  the PostgreSQL password
+  api-token      or TOKO_API_TOKEN_FILE          the token writes must carry
 """
 
 
