@@ -31,6 +31,7 @@ REQUEST_GRACE_SECONDS = 5.0
 # After the listening socket closes, connections accepted just before get this
 # long to send their request; closing them unanswered would fail those clients.
 ACCEPTED_GRACE_SECONDS = 1.0
+ACCEPT_SETTLE_SECONDS = 0.1
 
 
 class SideTaskDied(RuntimeError):
@@ -112,6 +113,9 @@ async def _stop_accepting(app: web.Application, runner: web.AppRunner) -> None:
         await site.stop()
     server = runner.server
     deadline = time.monotonic() + ACCEPTED_GRACE_SECONDS
+    # asyncio finishes setting up a just-accepted connection in a task of its
+    # own, so a connection can appear after the socket closed: settle first.
+    await asyncio.sleep(ACCEPT_SETTLE_SECONDS)
     # aiohttp has no event for a closed connection, so look a few times.
     while server is not None and server.connections and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.02)
