@@ -277,10 +277,10 @@ class WorkerPool:
                 self._capacity.set()
 
     async def _run(self, job: Job, worker: str) -> None:
-        fields = {**job_fields(job), "WORKER": worker}
         handler = self._handlers.get(job.kind)
         started = time.monotonic()
-        log.debug("job started", extra=fields)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("job started", extra={**job_fields(job), "WORKER": worker})
         try:
             if handler is None:
                 raise LookupError(f"no handler for job kind {job.kind!r}")
@@ -288,19 +288,22 @@ class WorkerPool:
                 await handler(job, self._context)
         except Exception as exc:
             elapsed = time.monotonic() - started  # the attempt, not the store write after it
+            fields = {**job_fields(job), "WORKER": worker}
             outcome = await self._record_failure(job, _describe(exc), fields)
             if self._observer is not None and outcome is not None:
                 self._observer.job_finished(job.kind, outcome, elapsed)
             return
         elapsed = time.monotonic() - started
-        fields["DURATION_MS"] = round(elapsed * 1000, 1)
         self._acks.append(job.id)
         self._ack_wakeup.set()
         self.succeeded += 1
         if self._observer is not None:
             self._observer.job_finished(job.kind, "succeeded", elapsed)
-        # DEBUG: the job's own line ("email sent") already tells the journal.
-        log.debug("job succeeded", extra=fields)
+        # DEBUG: the job's own line ("email sent") already tells the journal;
+        # and the fields are only built when someone reads them (hot path).
+        if log.isEnabledFor(logging.DEBUG):
+            fields = {**job_fields(job), "WORKER": worker}
+            log.debug("job succeeded", extra={**fields, "DURATION_MS": round(elapsed * 1000, 1)})
 
     # acker -----------------------------------------------------------------------
     async def _ack_loop(self) -> None:
