@@ -11,15 +11,17 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 import time
 
 from aiohttp import web
 
 from service.app import create_app
-from service.keys import HTTP_STATE, POOL, STORE
+from service.keys import POOL, STORE
+from service.listener import listening_sockets, start_serving, stop_accepting
 from service.settings import Settings
-from service.systemd import Notifier, passed_listen_sockets
+from service.systemd import Notifier
 from service.workers import WorkerPool
 
 log = logging.getLogger("toko.runner")
@@ -28,10 +30,6 @@ STATUS_SECONDS = 5.0
 GIL_SWITCH_SECONDS = 0.0005
 # In-flight HTTP requests get this long after the socket closes.
 REQUEST_GRACE_SECONDS = 5.0
-# After the listening socket closes, connections accepted just before get this
-# long to send their request; closing them unanswered would fail those clients.
-ACCEPTED_GRACE_SECONDS = 1.0
-ACCEPT_SETTLE_SECONDS = 0.1
 
 
 class SideTaskDied(RuntimeError):
@@ -51,8 +49,10 @@ async def serve(settings: Settings) -> None:
     started = time.monotonic()
     await runner.setup()  # opens the store and starts the pool (cleanup_ctx)
     side_tasks: list[asyncio.Task[None]] = []
+    sockets: list[socket.socket] = []
     try:
-        address = await _start_site(runner, settings)
+        sockets, address = listening_sockets(settings)
+        await start_serving(runner, sockets)
         pool = app[POOL]
         if settings.fault_injection:
             _install_fault_injection(loop, pool, settings)
@@ -82,43 +82,10 @@ async def serve(settings: Settings) -> None:
         for task in side_tasks:
             task.cancel()
         await asyncio.gather(*side_tasks, return_exceptions=True)
-        await _stop_accepting(app, runner)
+        await stop_accepting(app, runner, sockets)
         await runner.cleanup()  # drains requests, then jobs, then closes the store
         notifier.close()
     log.info("stopped")
-
-
-async def _start_site(runner: web.AppRunner, settings: Settings) -> str:
-    sockets = passed_listen_sockets()
-    if sockets:
-        for sock in sockets:
-            await web.SockSite(runner, sock).start()
-        return ", ".join(str(sock.getsockname()) for sock in sockets) + " (socket activation)"
-    site = web.TCPSite(runner, settings.listen_host, settings.listen_port, backlog=1024)
-    await site.start()
-    return f"{settings.listen_host}:{settings.listen_port}"
-
-
-async def _stop_accepting(app: web.Application, runner: web.AppRunner) -> None:
-    """Stop accepting, then let connections already accepted deliver their request.
-
-    Under socket activation systemd keeps the listening socket, so new
-    connections wait for the next process; but a connection this process
-    accepted and has not yet read from would be closed unanswered by aiohttp's
-    shutdown. Answers from now on say "Connection: close", so the connections
-    go away as soon as they are served.
-    """
-    app[HTTP_STATE].draining = True
-    for site in list(runner.sites):
-        await site.stop()
-    server = runner.server
-    deadline = time.monotonic() + ACCEPTED_GRACE_SECONDS
-    # asyncio finishes setting up a just-accepted connection in a task of its
-    # own, so a connection can appear after the socket closed: settle first.
-    await asyncio.sleep(ACCEPT_SETTLE_SECONDS)
-    # aiohttp has no event for a closed connection, so look a few times.
-    while server is not None and server.connections and time.monotonic() < deadline:  # noqa: ASYNC110
-        await asyncio.sleep(0.02)
 
 
 async def _wait_for_stop(stop: asyncio.Event, supervised: list[asyncio.Task[None]]) -> None:

@@ -1,0 +1,68 @@
+"""The listening sockets: socket activation or our own, and a shutdown that drops nobody.
+
+Under socket activation systemd keeps the listening socket across restarts,
+so connections wait in its queue while toko-api restarts. What this module
+guards is the edge: connections this process already accepted when SIGTERM
+came must still get their answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+from aiohttp import web
+
+from service.keys import HTTP_STATE
+from service.settings import Settings
+from service.systemd import passed_listen_sockets
+
+# asyncio calls listen() again on the socket it serves: keep the socket unit's
+# Backlog=1024 rather than aiohttp's 128.
+LISTEN_BACKLOG = 1024
+# asyncio finishes an accepted connection in a task that needs the server still
+# open; closing it first drops that connection unanswered (a reset). So stop
+# reading the listening socket, let those tasks run, and only then close.
+ACCEPT_SETTLE_SECONDS = 0.1
+# Then connections accepted before get this long to send their request.
+ACCEPTED_GRACE_SECONDS = 1.0
+
+
+def listening_sockets(settings: Settings) -> tuple[list[socket.socket], str]:
+    """The sockets to serve on and a description for the log."""
+    passed = passed_listen_sockets()
+    if passed:
+        names = ", ".join(str(sock.getsockname()) for sock in passed)
+        return passed, f"{names} (socket activation)"
+    host, port = settings.listen_host, settings.listen_port
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+    return [sock], f"{host}:{port}"
+
+
+async def start_serving(runner: web.AppRunner, sockets: list[socket.socket]) -> None:
+    for sock in sockets:
+        await web.SockSite(runner, sock, backlog=LISTEN_BACKLOG).start()
+
+
+async def stop_accepting(
+    app: web.Application, runner: web.AppRunner, sockets: list[socket.socket]
+) -> None:
+    """Stop accepting, then let connections already accepted deliver their request.
+
+    Answers from now on say "Connection: close", so each connection goes away
+    as soon as it is served and the wait below usually ends early.
+    """
+    app[HTTP_STATE].draining = True
+    loop = asyncio.get_running_loop()
+    for sock in sockets:
+        loop.remove_reader(sock.fileno())
+    await asyncio.sleep(ACCEPT_SETTLE_SECONDS)
+    for site in list(runner.sites):
+        await site.stop()  # closes our copy of the socket; systemd keeps its own
+    server = runner.server
+    deadline = time.monotonic() + ACCEPTED_GRACE_SECONDS
+    # aiohttp has no event for a closed connection, so look a few times.
+    while server is not None and server.connections and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.02)
