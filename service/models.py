@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -62,6 +64,21 @@ class Job:
     max_attempts: int
     run_at: float
     last_error: str | None = None
+
+
+def job_from_row(row: Sequence[Any]) -> Job:
+    """A Job from a row: id, kind, payload (JSON text), state, attempts,
+    max_attempts, run_at, last_error; the column order both stores select."""
+    return Job(
+        id=row[0],
+        kind=row[1],
+        payload=json.loads(row[2]),
+        state=row[3],
+        attempts=row[4],
+        max_attempts=row[5],
+        run_at=row[6],
+        last_error=row[7],
+    )
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 
-from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts
+from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts, job_from_row
 from service.store.admin import JobDetails, QueueStats
 from service.store.base import StoreError
 from service.store.pg_migrations import JOBS_CHANNEL, RECAP_LOCK_CLASS, SchemaTooNew, migrate
@@ -82,26 +82,13 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
 
 
-def _job_from_row(row: Sequence[Any]) -> Job:
-    return Job(
-        id=row[0],
-        kind=row[1],
-        payload=json.loads(row[2]),
-        state=row[3],
-        attempts=row[4],
-        max_attempts=row[5],
-        run_at=row[6],
-        last_error=row[7],
-    )
-
-
 def _set_event(event: asyncio.Event, *_: object) -> None:
     event.set()
 
 
 def _details_from_row(row: Sequence[Any]) -> JobDetails:
     return JobDetails(
-        job=_job_from_row(row[:8]), created_at=row[8], updated_at=row[9], lease_until=row[10]
+        job=job_from_row(row[:8]), created_at=row[8], updated_at=row[9], lease_until=row[10]
     )
 
 
@@ -399,7 +386,7 @@ class PostgresStore:
             now + lease_seconds,
             limit,
         )
-        return sorted((_job_from_row(row) for row in rows), key=lambda job: job.id)
+        return sorted((job_from_row(row) for row in rows), key=lambda job: job.id)
 
     async def complete(self, job_ids: Sequence[int]) -> None:
         if job_ids:
@@ -478,7 +465,7 @@ class PostgresStore:
         row = await self._fetchrow(
             f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = $1", job_id, retry=True
         )
-        return _job_from_row(row) if row else None
+        return job_from_row(row) if row else None
 
     async def ping(self) -> None:
         await self._fetchrow("SELECT 1", retry=True)

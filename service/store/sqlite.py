@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts
+from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts, job_from_row
 from service.store.admin import JobDetails, QueueStats
 from service.store.base import StoreError
 from service.store.group_commit import BatchFn, GroupCommitWriter
@@ -54,22 +54,9 @@ def connect(path: str, *, read_only: bool = False) -> sqlite3.Connection:
     return conn
 
 
-def _job_from_row(row: Sequence[Any]) -> Job:
-    return Job(
-        id=row[0],
-        kind=row[1],
-        payload=json.loads(row[2]),
-        state=row[3],
-        attempts=row[4],
-        max_attempts=row[5],
-        run_at=row[6],
-        last_error=row[7],
-    )
-
-
 def _details_from_row(row: Sequence[Any]) -> JobDetails:
     return JobDetails(
-        job=_job_from_row(row[:8]), created_at=row[8], updated_at=row[9], lease_until=row[10]
+        job=job_from_row(row[:8]), created_at=row[8], updated_at=row[9], lease_until=row[10]
     )
 
 
@@ -244,7 +231,7 @@ class SqliteStore:
             row = conn.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)
             ).fetchone()
-            return _job_from_row(row) if row else None
+            return job_from_row(row) if row else None
 
         return await self._read(read)
 
@@ -389,7 +376,7 @@ def _claim(conn: sqlite3.Connection, items: list[tuple[int, float, float]]) -> l
             """,
             {"now": now, "lease": lease, "limit": limit},
         ).fetchall()
-        claimed.append(sorted((_job_from_row(row) for row in rows), key=lambda job: job.id))
+        claimed.append(sorted((job_from_row(row) for row in rows), key=lambda job: job.id))
     return claimed
 
 
