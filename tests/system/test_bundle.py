@@ -141,12 +141,21 @@ def test_api_token_from_the_installer_reaches_the_sandboxed_service(toko: Deploy
     assert toko.request("POST", "/produk", body, headers=old).status == 401
     toko.read_token()
     assert toko.post_product("Token baru")["id"] > 0
+    # Neither token, used or refused, ever reaches the journal.
+    journal = toko.machine.run(["journalctl", "-o", "json", "--no-pager"]).stdout
+    assert toko.token not in journal
+    assert old["Authorization"].split()[1] not in journal
 
 
 def test_failed_timer_job_raises_an_alert(toko: Deployment) -> None:
-    # A backup that fails (here: a drop-in makes it run /bin/false).
+    # A backup that fails: its backup directory is not writable.
     drop_in = "/etc/systemd/system/toko-backup.service.d/fail.conf"
-    toko.machine.write(drop_in, "[Service]\nExecStart=\nExecStart=/bin/false\n")
+    read_only = "/var/lib/toko/read-only-backups"
+    toko.machine.run(["install", "-d", "-o", "toko", "-g", "toko", "-m", "0700", read_only])
+    toko.machine.write(
+        drop_in,
+        f"[Service]\nEnvironment=TOKO_BACKUP_DIR={read_only}\nReadOnlyPaths={read_only}\n",
+    )
     since = toko.now()
     try:
         toko.machine.run(["systemctl", "daemon-reload"])
@@ -163,6 +172,9 @@ def test_failed_timer_job_raises_an_alert(toko: Deployment) -> None:
 
         (entry,) = wait_until(alerted, 60, "toko-alert's error entry about toko-backup")
         assert entry.get("SERVICE_RESULT") == "exit-code"
+        # toko-backup said itself why, at error priority, in one line.
+        own = [e for e in toko.journal("toko-backup", since) if e.get("PRIORITY") == "3"]
+        assert any("toko-backup failed" in str(e.get("MESSAGE")) for e in own), own
 
         def mailed() -> list[dict[str, Any]]:
             return [
@@ -174,7 +186,7 @@ def test_failed_timer_job_raises_an_alert(toko: Deployment) -> None:
 
         wait_until(mailed, 60, "the alert email (log mailer) from toko-api")
     finally:
-        toko.machine.run(["rm", "-f", drop_in])
+        toko.machine.run(["rm", "-rf", drop_in, read_only])
         toko.machine.run(["systemctl", "daemon-reload"])
         toko.machine.run(["systemctl", "reset-failed", "toko-backup.service"], check=False)
 
