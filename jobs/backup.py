@@ -15,6 +15,7 @@ import os
 import shutil
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from jobs.common import JobFailed, run_job
@@ -58,16 +59,41 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def publish_backup(folder: Path, keep: int, suffix: str, write: Callable[[Path], None]) -> Path:
+    """Write a backup atomically and prune old ones; both backends use it.
+
+    ``write(tmp)`` fills and verifies a temporary file in ``folder``; it is then
+    fsynced, renamed into place and the folder fsynced, so a crash leaves
+    either the whole backup or none.
+    """
+    final = folder / backup_name(time.time(), suffix)
+    tmp = folder / f".{final.name}.partial"
+    tmp.unlink(missing_ok=True)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        tmp.rename(final)
+        fsync_dir(folder)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    pruned = prune(folder, keep, suffix)
+    log.info(
+        "backup written",
+        extra={"PATH": str(final), "BYTES": final.stat().st_size, "PRUNED": len(pruned)},
+    )
+    return final
+
+
 def make_backup(database: str, folder: Path, keep: int) -> Path:
     if not Path(database).exists():
         raise JobFailed(f"no database at {database} (has toko-api ever started?)")
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    final = folder / backup_name(time.time())
-    tmp = folder / f".{final.name}.partial"
-    tmp.unlink(missing_ok=True)
-    # Create it 0600 before SQLite writes a byte: backups hold all the shop's data.
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    try:
+
+    def write(tmp: Path) -> None:
+        # Create it 0600 before SQLite writes a byte: backups hold all the shop's data.
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         source = connect(database, read_only=True)
         target = sqlite3.connect(tmp)
         try:
@@ -78,19 +104,8 @@ def make_backup(database: str, folder: Path, keep: int) -> Path:
             target.close()
             source.close()
         check_integrity(tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        tmp.rename(final)
-        fsync_dir(folder)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    pruned = prune(folder, keep)
-    log.info(
-        "backup written",
-        extra={"PATH": str(final), "BYTES": final.stat().st_size, "PRUNED": len(pruned)},
-    )
-    return final
+
+    return publish_backup(folder, keep, SUFFIX, write)
 
 
 def prune(folder: Path, keep: int, suffix: str = SUFFIX) -> list[Path]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 
-from jobs.backup import PREFIX, backup_name, fsync_dir, list_backups, prune
+from jobs.backup import PREFIX, backup_name, list_backups, publish_backup
 from jobs.common import JobFailed
 from service.settings import Settings
 from service.store.pg_migrations import MIGRATION_LOCK
@@ -109,25 +109,11 @@ def _dump(settings: Settings, target: Path) -> None:
 
 
 def make_backup(settings: Settings, folder: Path, keep: int) -> Path:
-    final = folder / backup_name(time.time(), SUFFIX)
-    tmp = folder / f".{final.name}.partial"
-    tmp.unlink(missing_ok=True)
-    try:
+    def write(tmp: Path) -> None:
         _dump(settings, tmp)
         check_archive(settings, tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        tmp.rename(final)
-        fsync_dir(folder)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    pruned = prune(folder, keep, SUFFIX)
-    log.info(
-        "backup written",
-        extra={"PATH": str(final), "BYTES": final.stat().st_size, "PRUNED": len(pruned)},
-    )
-    return final
+
+    return publish_backup(folder, keep, SUFFIX, write)
 
 
 async def _connected_apis(conn: asyncpg.Connection) -> list[str]:

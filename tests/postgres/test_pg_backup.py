@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from jobs import pg_backup
+from jobs import backup, pg_backup
 from jobs.common import JobFailed
 from service.models import Product
 from service.settings import Settings
@@ -191,7 +191,7 @@ async def test_backups_are_pruned_and_verified(
         renamed = path.with_name(f"toko-2026010{second}T000000Z.dump")
         path.rename(renamed)
         made.append(renamed)
-    pg_backup.prune(folder, 2, pg_backup.SUFFIX)
+    backup.prune(folder, 2, pg_backup.SUFFIX)
     assert pg_backup.list_backups(folder, pg_backup.SUFFIX) == made[1:]
     for path in made[1:]:
         await asyncio.to_thread(pg_backup.check_archive, settings, path)
