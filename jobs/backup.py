@@ -66,7 +66,11 @@ def publish_backup(folder: Path, keep: int, suffix: str, write: Callable[[Path],
     fsynced, renamed into place and the folder fsynced, so a crash leaves
     either the whole backup or none.
     """
-    final = folder / backup_name(time.time(), suffix)
+    stamp = time.time()
+    final = folder / backup_name(stamp, suffix)
+    while final.exists():  # a second backup within the same second must not replace the first
+        stamp += 1
+        final = folder / backup_name(stamp, suffix)
     tmp = folder / f".{final.name}.partial"
     tmp.unlink(missing_ok=True)
     try:

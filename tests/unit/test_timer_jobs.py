@@ -122,3 +122,12 @@ def test_restore_rejects_a_corrupt_file(tmp_path: Path) -> None:
     bad.write_bytes(b"not a database at all" * 100)
     with pytest.raises(JobFailed, match="not a usable SQLite database"):
         backup.restore(str(tmp_path / "toko.db"), bad)
+
+
+async def test_backups_in_the_same_second_do_not_replace_each_other(tmp_path: Path) -> None:
+    db = str(tmp_path / "toko.db")
+    await seed(db, 1)
+    folder = tmp_path / "backups"
+    made = [backup.make_backup(db, folder, keep=5) for _ in range(3)]
+    assert len(set(made)) == 3
+    assert backup.list_backups(folder) == made  # later backups sort later
