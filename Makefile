@@ -10,7 +10,7 @@ APT_BUILD := python3-venv python3-dev libsystemd-dev pkg-config gcc
 # the store suite also runs on a throwaway PostgreSQL cluster.
 APT_TEST := systemd-container debootstrap
 APT_PG := postgresql postgresql-client
-APT_BENCH := wrk
+APT_BENCH := wrk redis-server
 
 .PHONY: help venv run test test-unit test-system lint bench install uninstall clean
 
@@ -53,7 +53,11 @@ test-system: venv
 	./scripts/ensure-apt.sh $(APT_TEST)
 	$(BIN)/pytest -m system
 
-bench: venv
+$(BIN)/.bench-installed: $(BIN)/.installed
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $@
+
+bench: venv $(BIN)/.bench-installed
 	./scripts/ensure-apt.sh $(APT_BENCH) $(APT_PG)
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
