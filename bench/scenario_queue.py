@@ -63,6 +63,7 @@ from bench.procs import (
     cpu_usage,
     fsync_probe,
     managed,
+    venv_bin,
     wait_for_quiet,
 )
 from bench.queue_common import seed
@@ -113,11 +114,15 @@ class QueueConfig:
     concurrency: int = 10
     latency_rate: float = 200.0
     latency_seconds: float = 10.0
-    drain_timeout_s: float = 240.0
+    # A drain still running after this is cut: its rate is over the jobs done.
+    drain_timeout_s: float = 90.0
     systems: tuple[str, ...] = ALL_SYSTEMS
     quiet_below_pct: float = 40.0
     quiet_max_wait_s: float = 15.0
     targets: Targets = field(default_factory=Targets)
+    # Diagnostic: py-spy (raw collapsed stacks, --threads) on toko's workers, into this folder.
+    profile_dir: Path | None = None
+    profile_idle: bool = False  # include waiting threads (where latency goes, not CPU)
 
     def smoke(self) -> QueueConfig:
         """A quick check that everything runs (figures not meaningful)."""
@@ -156,7 +161,10 @@ def rep_metrics(runs: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     rss = (noop.get("memory_kib") or {}).get("VmHWM")
 
     def complete_rate(run: dict[str, Any]) -> float | None:
-        return run.get("jobs_per_s") if run.get("complete") else None
+        # A drain cut at the time limit still gives its steady rate, once a
+        # tenth of the jobs ran (see ``partial``).
+        enough = run.get("finished", 0) >= max(1, run.get("expect", 0) // 10)
+        return run.get("jobs_per_s") if run.get("complete") or enough else None
 
     return {
         "noop_jobs_per_s": complete_rate(noop),
@@ -165,6 +173,15 @@ def rep_metrics(runs: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         "latency_p99_ms": latency.get("p99") if lat.get("complete") else None,
         "peak_rss_mib": rss / 1024 if rss else None,
     }
+
+
+def partial(runs: list[dict[str, dict[str, Any]]]) -> list[str]:
+    """The drains (noop, sleep) some repetition cut at the time limit."""
+    return [
+        m
+        for m in ("noop", "sleep")
+        if any(r.get(m, {}).get("finished") is not None and not r[m].get("complete") for r in runs)
+    ]
 
 
 def figures(reps: list[dict[str, float | None]]) -> dict[str, Spread | None]:
@@ -222,6 +239,7 @@ def shape(
             "concurrency": cfg.concurrency,
             "latency_rate": cfg.latency_rate,
             "latency_seconds": cfg.latency_seconds,
+            "drain_timeout_s": cfg.drain_timeout_s,
             "systems": list(runs),
             "drain_rate": "jobs / (last job end - first job start), as the job body records them",
             "redis": "redis-server 127.0.0.1, --save '' --appendonly no (no persistence)",
@@ -235,6 +253,7 @@ def shape(
             for label in runs
         },
         "figures": figs,
+        "partial": {label: p for label, reps in runs.items() if (p := partial(reps))},
         "ratios": {t: {p: ratios(per_rep[t], per_rep[p]) for p in peers} for t in toko},
         "targets": asdict(cfg.targets),
         "met_by": met_by,
@@ -351,10 +370,14 @@ def _measure(
         args += ["--produce-rate", str(cfg.latency_rate)]
         args += ["--produce-seconds", str(cfg.latency_seconds), "--produce-after", str(SETTLE_S)]
     produced: dict[str, Any] | None = None
-    with managed(label, _cmd(system, *args), log_path=workdir / f"{name}.log", env=base_env()) as w:
+    log = workdir / f"{name}.log"
+    with contextlib.ExitStack() as stack:
+        w = stack.enter_context(managed(label, _cmd(system, *args), log_path=log, env=base_env()))
         cpu0 = cpu_snapshot(w.pid)
         if not _wait_file(ready, w, READY_TIMEOUT_S):
             raise RuntimeError(f"{label} worker not ready in {READY_TIMEOUT_S}s: {w.tail()}")
+        if cfg.profile_dir is not None and system == "toko":
+            stack.enter_context(_profiler(cfg, w.pid, name))
         if latency and not in_process:
             produced = _produce(cfg, system, target, workdir, name)
         finished = _wait_file(out, w, timeout)
@@ -374,6 +397,22 @@ def _measure(
         }
     )
     return result
+
+
+@contextlib.contextmanager
+def _profiler(cfg: QueueConfig, pid: int, name: str) -> Iterator[None]:
+    """py-spy attached to ``pid``; it writes its file when the process exits."""
+    assert cfg.profile_dir is not None
+    cfg.profile_dir.mkdir(parents=True, exist_ok=True)
+    out = cfg.profile_dir / f"{name}.txt"
+    cmd = [str(venv_bin("py-spy")), "record", "--pid", str(pid), "--format", "raw"]
+    cmd += ["--threads", "--nonblocking", "--rate", "250", "--output", str(out)]
+    if cfg.profile_idle:
+        cmd.append("--idle")
+    with managed(f"py-spy {name}", cmd, log_path=cfg.profile_dir / f"{name}.py-spy.log") as p:
+        yield
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.proc.wait(15)  # the worker has exited by now: py-spy writes and ends
 
 
 def _produce(
@@ -488,7 +527,11 @@ def report_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         f" at {c['latency_rate']:g}/s · peak RSS ({c['jobs']} jobs, median of {c['reps']})"
     )
     out: list[tuple[str, str, str, str]] = []
+    cut = result.get("partial", {})
+    if cut:
+        measure += f"; † drain cut at {c.get('drain_timeout_s', '?')} s, rate over the jobs done"
     for label, f in result["figures"].items():
+        mark = {m: " †" if m in cut.get(label, []) else "" for m in ("noop", "sleep")}
         target = ""
         if label in result.get("met_by", {}):
             m = result["met_by"][label]
@@ -501,7 +544,8 @@ def report_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             (
                 f"(e) queue, {result['systems'][label]['name']}",
                 measure,
-                f"{_fmt(f['noop_jobs_per_s'], '{:.0f}')} · {_fmt(f['sleep_jobs_per_s'], '{:.0f}')}"
+                f"{_fmt(f['noop_jobs_per_s'], '{:.0f}')}{mark['noop']}"
+                f" · {_fmt(f['sleep_jobs_per_s'], '{:.0f}')}{mark['sleep']}"
                 f" · {_fmt(f['latency_p50_ms'], '{:.2f}', ' ms')}"
                 f" · {_fmt(f['latency_p99_ms'], '{:.2f}', ' ms')}"
                 f" · {_fmt(f['peak_rss_mib'], '{:.1f}', ' MiB')}",
@@ -524,14 +568,24 @@ def report_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
 
 def _main(argv: list[str]) -> int:
-    """Development entry: ``python -m bench.scenario_queue [--smoke] [system ...]``."""
+    """Development entry: ``python -m bench.scenario_queue [--smoke] [--profile=DIR] [system ...]``.
+
+    ``--profile=DIR`` attaches py-spy to toko's workers (``--idle`` too: waits
+    included); ``--reps=N``, ``--jobs=N`` override the sizes.
+    """
     import tempfile
 
-    smoke = "--smoke" in argv
+    flags = dict(a[2:].partition("=")[::2] for a in argv if a.startswith("--"))
     systems = tuple(a for a in argv if not a.startswith("--")) or ALL_SYSTEMS
     cfg = QueueConfig(systems=systems)
-    if smoke:
+    if "smoke" in flags:
         cfg = cfg.smoke()
+    if flags.get("reps"):
+        cfg = replace(cfg, reps=int(flags["reps"]))
+    if flags.get("jobs"):
+        cfg = replace(cfg, jobs=int(flags["jobs"]))
+    if flags.get("profile"):
+        cfg = replace(cfg, profile_dir=Path(flags["profile"]), profile_idle="idle" in flags)
     workdir = Path(tempfile.mkdtemp(prefix="toko-bench-queue-"))
     result = run(cfg, workdir)
     (workdir / "result.json").write_text(json.dumps(result, indent=2))

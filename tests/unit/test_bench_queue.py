@@ -31,6 +31,7 @@ from bench.scenario_queue import (
     latency_summary,
     meets,
     needs,
+    partial,
     ratios,
     rep_metrics,
     report_rows,
@@ -227,3 +228,18 @@ def test_smoke_config_is_smaller() -> None:
     smoke = QueueConfig().smoke()
     assert (smoke.jobs, smoke.reps, smoke.latency_seconds) == (1000, 1, 3.0)
     assert QueueConfig().jobs == 10_000 and QueueConfig().reps >= 3
+
+
+def test_a_drain_cut_at_the_time_limit_keeps_its_rate_and_is_marked() -> None:
+    cut = _run(25.0, 400.0, 500.0, 1024)
+    cut["sleep"] = {"complete": False, "finished": 2000, "expect": 10000, "jobs_per_s": 25.0}
+    barely = {"complete": False, "finished": 10, "expect": 10000, "jobs_per_s": 1.0}
+    assert rep_metrics(cut)["sleep_jobs_per_s"] == 25.0
+    assert rep_metrics({"noop": barely})["noop_jobs_per_s"] is None
+    assert partial([cut]) == ["sleep"] and partial([_run(1.0, 1.0, 1.0, 1)]) == []
+    cfg = QueueConfig(reps=1, systems=("toko-sqlite", "arq-default"))
+    result = shape(cfg, {"toko-sqlite": [_run(7000.0, 0.5, 2.0, 1)], "arq-default": [cut]})
+    assert result["partial"] == {"arq-default": ["sleep"]}
+    toko_row, arq_row, _ = report_rows(result)
+    assert "†" not in toko_row[2] and arq_row[2].startswith("25 · 25 † · 400.00 ms")
+    assert "† drain cut at 90.0 s" in arq_row[1]
