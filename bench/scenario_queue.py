@@ -571,7 +571,7 @@ def _main(argv: list[str]) -> int:
     """Development entry: ``python -m bench.scenario_queue [--smoke] [--profile=DIR] [system ...]``.
 
     ``--profile=DIR`` attaches py-spy to toko's workers (``--idle`` too: waits
-    included); ``--reps=N``, ``--jobs=N`` override the sizes.
+    included); ``--reps=N``, ``--jobs=N``, ``--quiet-max-wait=S`` override the defaults.
     """
     import tempfile
 
@@ -584,6 +584,8 @@ def _main(argv: list[str]) -> int:
         cfg = replace(cfg, reps=int(flags["reps"]))
     if flags.get("jobs"):
         cfg = replace(cfg, jobs=int(flags["jobs"]))
+    if flags.get("quiet-max-wait"):
+        cfg = replace(cfg, quiet_max_wait_s=float(flags["quiet-max-wait"]))
     if flags.get("profile"):
         cfg = replace(cfg, profile_dir=Path(flags["profile"]), profile_idle="idle" in flags)
     workdir = Path(tempfile.mkdtemp(prefix="toko-bench-queue-"))
