@@ -52,6 +52,10 @@ class NewJob:
     kind: str
     payload: dict[str, Any] = field(default_factory=dict)
     max_attempts: int = 5
+    # Set when the enqueuing process runs the job itself: the row is written
+    # already claimed (running, attempt 1, leased this many seconds), which
+    # saves the claim's write; a crash leaves it to the lease like any claim.
+    leased_for: float | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,11 @@ class Job:
     max_attempts: int
     run_at: float
     last_error: str | None = None
+
+
+def leased_job(job_id: int, job: NewJob, run_at: float) -> Job:
+    """The Job a store wrote for ``job`` enqueued with ``leased_for`` (already claimed)."""
+    return Job(job_id, job.kind, job.payload, "running", 1, job.max_attempts, run_at)
 
 
 def job_from_row(row: Sequence[Any]) -> Job:

@@ -23,9 +23,11 @@ class JobContext:
 Handler = Callable[[Job, JobContext], Awaitable[None]]
 
 
-def product_email_job(product: Product, max_attempts: int) -> NewJob:
+def product_email_job(
+    product: Product, max_attempts: int, leased_for: float | None = None
+) -> NewJob:
     payload = {"product_id": product.id, "nama": product.nama, "harga": product.harga}
-    return NewJob(PRODUCT_EMAIL, payload, max_attempts)
+    return NewJob(PRODUCT_EMAIL, payload, max_attempts, leased_for)
 
 
 def recap_email_job(period: str, total: int, new: int, max_attempts: int) -> NewJob:

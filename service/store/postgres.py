@@ -299,10 +299,15 @@ class PostgresStore:
                 INSERT INTO products (id, nama, harga, created_at)
                 SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::float8[])
             )
-            INSERT INTO jobs (id, kind, payload, max_attempts, run_at, created_at, updated_at)
-            SELECT j.id, j.kind, j.payload::jsonb, j.max_attempts, $4[1], $4[1], $4[1]
-              FROM unnest($5::bigint[], $6::text[], $7::text[], $8::int[])
-                   AS j (id, kind, payload, max_attempts)
+            INSERT INTO jobs (id, kind, payload, max_attempts, run_at, created_at, updated_at,
+                              state, attempts, lease_until)
+            SELECT j.id, j.kind, j.payload::jsonb, j.max_attempts, $4[1], $4[1], $4[1],
+                   -- leased_for: claimed by the enqueuing instance itself, as claim() would
+                   CASE WHEN j.leased_for IS NULL THEN 'pending' ELSE 'running' END,
+                   CASE WHEN j.leased_for IS NULL THEN 0 ELSE 1 END,
+                   $4[1] + j.leased_for
+              FROM unnest($5::bigint[], $6::text[], $7::text[], $8::int[], $9::float8[])
+                   AS j (id, kind, payload, max_attempts, leased_for)
             """,
             [r[1].id for r in rows],
             [r[1].nama for r in rows],
@@ -312,6 +317,7 @@ class PostgresStore:
             [r[3].kind for r in rows],
             [r[4] for r in rows],
             [r[3].max_attempts for r in rows],
+            [r[3].leased_for for r in rows],
         )
         self.batches += 1
         self.ops += len(rows)
@@ -350,13 +356,18 @@ class PostgresStore:
     # queue -----------------------------------------------------------------------
     async def enqueue(self, job: NewJob) -> int:
         now = self._clock()
+        leased = job.leased_for is not None
         row = await self._fetchrow(
-            "INSERT INTO jobs (kind, payload, max_attempts, run_at, created_at, updated_at) "
-            "VALUES ($1, $2::jsonb, $3, $4, $4, $4) RETURNING id",
+            "INSERT INTO jobs (kind, payload, max_attempts, run_at, created_at, updated_at,"
+            " state, attempts, lease_until)"
+            " VALUES ($1, $2::jsonb, $3, $4, $4, $4, $5, $6, $7) RETURNING id",
             job.kind,
             json.dumps(job.payload),
             job.max_attempts,
             now,
+            "running" if leased else "pending",
+            1 if leased else 0,
+            now + job.leased_for if job.leased_for is not None else None,
         )
         assert row is not None
         return int(row[0])

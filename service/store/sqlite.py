@@ -348,9 +348,31 @@ def _insert_jobs(conn: sqlite3.Connection, items: list[tuple[NewJob, float]]) ->
     return _insert_returning_ids(
         conn,
         "jobs",
-        ("kind", "payload", "max_attempts", "run_at", "created_at", "updated_at"),
-        [(j.kind, json.dumps(j.payload), j.max_attempts, now, now, now) for j, now in items],
+        _JOB_INSERT_COLUMNS,
+        [_job_insert_row(job, now) for job, now in items],
     )
+
+
+_JOB_INSERT_COLUMNS = (
+    "kind",
+    "payload",
+    "max_attempts",
+    "run_at",
+    "created_at",
+    "updated_at",
+    "state",
+    "attempts",
+    "lease_until",
+)
+
+
+def _job_insert_row(job: NewJob, now: float) -> tuple[Any, ...]:
+    payload = json.dumps(job.payload)
+    if job.leased_for is None:
+        return (job.kind, payload, job.max_attempts, now, now, now, "pending", 0, None)
+    # Claimed by the enqueuing process itself, exactly as _claim would.
+    lease = now + job.leased_for
+    return (job.kind, payload, job.max_attempts, now, now, now, "running", 1, lease)
 
 
 def _claim(conn: sqlite3.Connection, items: list[tuple[int, float, float]]) -> list[list[Job]]:

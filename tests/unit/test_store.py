@@ -132,6 +132,23 @@ async def test_expired_lease_is_claimed_again(store: Store, clock: FakeClock) ->
     assert again.id == job.id and again.attempts == 2
 
 
+async def test_a_job_enqueued_leased_is_already_claimed(store: Store, clock: FakeClock) -> None:
+    # Both ways in: a lone enqueue and a product's job, as POST /produk writes it.
+    lone = await store.enqueue(NewJob("k", {}, 3, leased_for=60))
+    _, with_product = await store.create_product(
+        "Kopi", 1, lambda p: product_email_job(p, 3, leased_for=60)
+    )
+    for job_id in (lone, with_product):
+        job = await store.get_job(job_id)
+        assert job is not None and job.state == "running" and job.attempts == 1
+    assert await store.claim(5, 60) == []  # leased: nobody else takes it
+    clock.now += 61
+    # A process that dies with it leased loses it to the next claim, as with any claim.
+    again = await store.claim(5, 60)
+    assert sorted(j.id for j in again) == sorted([lone, with_product])
+    assert all(j.attempts == 2 for j in again)
+
+
 async def test_retry_waits_until_due(store: Store, clock: FakeClock) -> None:
     await store.enqueue(NewJob("k", {}, 3))
     (job,) = await store.claim(1, 60)

@@ -8,7 +8,7 @@ import pytest
 
 from service import workers
 from service.mail import Email
-from service.models import Job, NewJob
+from service.models import Job, NewJob, leased_job
 from service.store.base import Store
 from service.tasks import JobContext
 from service.workers import PoolConfig, WorkerPool, backoff_delay
@@ -68,6 +68,80 @@ async def test_a_committed_job_wakes_the_pool_without_waiting_for_a_sweep(
     pool.notify()
     async with asyncio.timeout(5):  # far below the 60 s sweep
         await ran.wait()
+
+
+async def test_a_reserved_job_runs_without_a_claim(
+    store: Store, make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(workers, "SWEEP_SECONDS", 60.0)
+    ran = asyncio.Event()
+
+    async def handler(job: Job, ctx: JobContext) -> None:
+        ran.set()
+
+    pool = make_pool(handler)
+    await pool.start()
+    claimed: list[int] = []
+    real_claim = store.claim
+
+    async def recording_claim(limit: int, lease_seconds: float) -> list[Job]:
+        jobs = await real_claim(limit, lease_seconds)
+        claimed.extend(job.id for job in jobs)
+        return jobs
+
+    monkeypatch.setattr(store, "claim", recording_claim)
+    leased_for = pool.reserve()
+    assert leased_for == pool._config.lease_seconds
+    new = NewJob("k", {}, 3, leased_for=leased_for)
+    job_id = await store.enqueue(new)
+    pool.dispatch(leased_job(job_id, new, 0.0))
+    async with asyncio.timeout(5):
+        await ran.wait()
+    assert (await wait_state(store, job_id, "done")).attempts == 1
+    assert claimed == []  # it never went through a claim
+
+
+async def test_reservations_stop_at_the_pool_capacity(
+    store: Store, make_pool: Callable[..., WorkerPool]
+) -> None:
+    async def handler(job: Job, ctx: JobContext) -> None:
+        pass
+
+    pool = make_pool(handler, workers=1)
+    await pool.start()
+    # One worker plus one job of prefetch, as for claims.
+    assert pool.reserve() is not None and pool.reserve() is not None
+    assert pool.reserve() is None
+    pool.dispatch(None)  # that write failed: its slot is free again
+    assert pool.reserve() is not None
+
+
+async def test_stop_puts_back_a_leased_job_that_never_started(
+    store: Store, make_pool: Callable[..., WorkerPool]
+) -> None:
+    started = asyncio.Event()
+    release = asyncio.Event()
+
+    async def handler(job: Job, ctx: JobContext) -> None:
+        started.set()
+        await release.wait()
+
+    pool = make_pool(handler, workers=1)
+    await pool.start()
+    ids = []
+    for _ in range(2):
+        new = NewJob("k", {}, 3, leased_for=pool.reserve())
+        ids.append(await store.enqueue(new))
+        pool.dispatch(leased_job(ids[-1], new, 0.0))
+    await started.wait()
+
+    def on_tick(busy: int) -> None:
+        release.set()  # the first job finishes while the pool drains
+
+    assert await pool.stop(5.0, on_tick) == 0
+    first, second = [await store.get_job(i) for i in ids]
+    assert first is not None and first.state == "done"
+    assert second is not None and second.state == "pending" and second.attempts == 0
 
 
 async def test_exceptions_are_retried_then_kept_as_failed(
