@@ -13,22 +13,34 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from bench import (
+    compare,
     report,
     scenario_backlog,
     scenario_postgres,
+    scenario_queue,
     scenario_startup,
     scenario_throughput,
+    scenario_tutorial,
 )
 from bench.procs import REPO, fsync_probe, install_sigterm_as_interrupt, venv_bin
 from bench.toko import TokoCommand, snapshot
 
-SCENARIOS = ("throughput", "backlog", "startup", "postgres")
-ALIASES = {"a": "throughput", "b": "backlog", "c": "startup", "d": "postgres", "all": "all"}
+SCENARIOS = ("throughput", "backlog", "startup", "postgres", "queue", "tutorial")
+ALIASES = {
+    "a": "throughput",
+    "b": "backlog",
+    "c": "startup",
+    "d": "postgres",
+    "e": "queue",
+    "f": "tutorial",
+    "all": "all",
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,7 +52,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "aiohttp baseline; (b) backlog: constant-rate open-loop POSTs while every email "
             "takes 2 s, then proves no job was lost; (c) startup: spawn to READY=1 and idle RSS; "
             "(d) postgres: POST throughput with one and two instances on PostgreSQL and jobs/s "
-            "drained, beside SQLite."
+            "drained, beside SQLite; (e) queue: toko's queue against arq (Redis) and "
+            "procrastinate (PostgreSQL): drains, enqueue-to-start latency, peak RSS; "
+            "(f) tutorial: the tutorial's Go program against toko-api under the same load, "
+            "plotted to docs/tutorial-latency.png."
         ),
         epilog=(
             "Results: a table on stdout, bench/results/<timestamp>.json and "
@@ -52,7 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--scenario",
         action="append",
         choices=[*SCENARIOS, *ALIASES],
-        help="scenario to run (repeatable; a/b/c as short names; default: all)",
+        help="scenario to run (repeatable; a-f as short names; default: all)",
     )
     p.add_argument(
         "--smoke",
@@ -83,6 +98,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         metavar="JSON",
         help="run nothing: print the table of a saved results file and write latest.md from it",
+    )
+    p.add_argument(
+        "--compare",
+        type=Path,
+        nargs=2,
+        metavar=("OLD", "NEW"),
+        help="run nothing: print every figure two saved results files share, with NEW ÷ OLD",
+    )
+    p.add_argument(
+        "--compare-match",
+        default="",
+        metavar="TEXT",
+        help="with --compare: only figures whose path contains TEXT (e.g. queue.figures)",
     )
     p.add_argument(
         "--keep-dbs",
@@ -122,6 +150,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     g.add_argument("--drain-timeout", type=float, default=420.0, help="seconds")
     g.add_argument("--drain-workers", type=int, default=16, help="TOKO_WORKERS for the drain")
+    g = p.add_argument_group("(e) queue")
+    g.add_argument("--queue-reps", type=int, help="repetitions per figure (default 3)")
+    g.add_argument(
+        "--queue-systems",
+        default=",".join(scenario_queue.ALL_SYSTEMS),
+        help="comma-separated systems (default: %(default)s)",
+    )
     g = p.add_argument_group("(c) startup")
     g.add_argument("--starts", type=int, help="starts to take the median of (default 5)")
     g.add_argument("--idle", type=float, help="idle seconds before reading RSS (default 2)")
@@ -172,6 +207,9 @@ def _machine() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compare:
+        print(compare.render(*args.compare, match=args.compare_match))
+        return 0
     if args.render:
         saved = json.loads(args.render.read_text())
         print(report.text_table(saved))
@@ -271,6 +309,28 @@ def main(argv: list[str] | None = None) -> int:
                         ),
                         workdir / name,
                     )
+                elif name == "queue":
+                    qcfg = scenario_queue.QueueConfig(
+                        systems=tuple(args.queue_systems.split(",")),
+                        quiet_below_pct=args.quiet_below or float("inf"),
+                        quiet_max_wait_s=args.quiet_max_wait,
+                    )
+                    qcfg = qcfg.smoke() if args.smoke else qcfg
+                    if args.queue_reps:
+                        qcfg = replace(qcfg, reps=args.queue_reps)
+                    results[name] = scenario_queue.run(qcfg, workdir / name)
+                elif name == "tutorial":
+                    tcfg = scenario_tutorial.TutorialConfig(
+                        toko=toko,
+                        # The Go build cache outlives the run: a cold build takes 25-60 s.
+                        go_cache_dir=results_dir / ".go-cache",
+                        quiet_below_pct=args.quiet_below or float("inf"),
+                    )
+                    if args.smoke:
+                        tcfg = scenario_tutorial.TutorialConfig.smoke(
+                            toko, go_cache_dir=results_dir / ".go-cache"
+                        )
+                    results[name] = scenario_tutorial.run(tcfg, workdir / name)
                 else:
                     results[name] = scenario_startup.run(
                         scenario_startup.StartupConfig(
@@ -300,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                     path.unlink(missing_ok=True)
     missed = [
         n
-        for n in ("throughput", "backlog", "postgres")
+        for n in ("throughput", "backlog", "postgres", "queue")
         if n in results
         and not (results[n]["summary"]["met"] if n == "throughput" else results[n]["met"])
     ]

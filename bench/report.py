@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import scenario_postgres
+from bench import scenario_postgres, scenario_queue, scenario_tutorial
 from bench.stats import Spread, fmt_spread
 
 
@@ -127,6 +127,10 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         )
     if results.get("postgres"):
         out += scenario_postgres.report_rows(results["postgres"])
+    if results.get("queue"):
+        out += scenario_queue.report_rows(results["queue"])
+    if results.get("tutorial"):
+        out += scenario_tutorial.report_rows(results["tutorial"])
     return out
 
 

@@ -90,7 +90,7 @@ EMAIL_DELAY_S = 2.0
 WORKERS = 3
 GO_SOURCE = REPO / "bench" / "tutorial"
 PLOT_PATH = REPO / "docs" / "tutorial-latency.png"
-PREFIX = "(e)"  # the scenario's tag in the report table
+PREFIX = "(f)"  # the scenario's tag in the report table
 
 TOKO = "toko-api"
 GO = "tutorial"

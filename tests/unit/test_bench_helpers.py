@@ -179,3 +179,25 @@ def test_read_record_skips_torn_lines(tmp_path: Path) -> None:
     record.write_text("1.5\t<job-1@x>\tdelivered\n2.5\t<job-2@x>\tdelivered\n3.0\t<job-")
     assert read_record(record) == [(1.5, "<job-1@x>", "delivered"), (2.5, "<job-2@x>", "delivered")]
     assert read_record(tmp_path / "missing.tsv") == []
+
+
+def test_compare_pairs_summary_figures_and_skips_settings_and_samples() -> None:
+    from bench.compare import compare
+
+    def run(rps: float, p99: float) -> dict[str, object]:
+        return {
+            "meta": {"started": "x", "git": "y", "loadavg_before": [1.0, 1.0, 1.0]},
+            "throughput": {
+                "config": {"duration_s": 10.0},
+                "rounds": [{"toko": {"rps": rps}}],
+                "summary": {"toko": {"rps": {"median": rps, "min": 1, "max": 9, "n": 3}}},
+            },
+            "queue": {"figures": {"toko-sqlite": {"latency_p99_ms": p99}}, "met": True},
+        }
+
+    rows = compare(run(100.0, 2.0), run(150.0, 3.0))
+    assert rows == [
+        ("throughput.summary.toko.rps", "100", "150", "1.50"),
+        ("queue.figures.toko-sqlite.latency_p99_ms", "2", "3", "1.50"),
+    ]
+    assert compare(run(100.0, 2.0), run(150.0, 3.0), match="queue") == [rows[1]]
