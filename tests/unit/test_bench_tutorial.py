@@ -179,7 +179,6 @@ def test_report_rows_have_four_columns_and_the_key_figures() -> None:
 
 
 def test_write_plot_writes_a_png(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     from bench.plot import write_plot
 
     path = tmp_path / "docs" / "tutorial-latency.png"
