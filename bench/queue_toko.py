@@ -4,21 +4,24 @@ Built the way toko-api builds it (service/app.py, service/runner.py): the
 store (``SqliteStore`` or ``PostgresStore``), a ``WorkerPool`` with
 ``PoolConfig(workers=...)``, ``store.add_wakeup_listener(pool.notify)`` (LISTEN/
 NOTIFY on PostgreSQL), and the GIL switch interval toko-api sets, if any. The
-in-process producer enqueues the way a POST does: commit, then
-``pool.notify()``. Target: ``{"database": path-or-URL, "password_file": ...}``;
-settings: ``{"workers": int}``.
+in-process producer enqueues the way ``POST /produk`` does: ``pool.reserve()``,
+the job committed already leased when a slot is free and handed over with
+``pool.dispatch()``, else committed pending and ``pool.notify()``.
+Target: ``{"database": path-or-URL, "password_file": ...}``; settings:
+``{"workers": int}``.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import service.runner
 from bench.queue_common import JobBody, Producer, RunningWorker
 from service.mail import LogMailer
-from service.models import Job, NewJob
+from service.models import Job, NewJob, leased_job
 from service.store.base import Store
 from service.store.postgres import PostgresStore
 from service.store.sqlite import SqliteStore
@@ -52,9 +55,24 @@ class _StoreProducer:
         self.owned = owned
 
     async def enqueue(self, kind: str, payload: dict[str, Any]) -> None:
-        await self.store.enqueue(NewJob(kind, payload, MAX_ATTEMPTS))
-        if self.pool is not None:
-            self.pool.notify()  # as toko-api does after its commit
+        pool = self.pool
+        if pool is None:  # another process: the worker hears of it (LISTEN or sweep)
+            await self.store.enqueue(NewJob(kind, payload, MAX_ATTEMPTS))
+            return
+        # As POST /produk does (service/routes.py): with a worker slot free the
+        # job is written already leased and handed straight to the pool.
+        leased_for = pool.reserve()
+        job = NewJob(kind, payload, MAX_ATTEMPTS, leased_for)
+        try:
+            job_id = await self.store.enqueue(job)
+        except BaseException:
+            if leased_for is not None:
+                pool.dispatch(None)
+            raise
+        if leased_for is None:
+            pool.notify()
+        else:
+            pool.dispatch(leased_job(job_id, job, time.time()))
 
     async def close(self) -> None:
         if self.owned:

@@ -515,7 +515,7 @@ def _fmt(s: Spread | None, fmt: str, unit: str = "") -> str:
 
 
 def _ratio(s: Spread | None) -> str:
-    return _fmt(s, "{:.2f}")
+    return _fmt(s, "{:.3g}")  # 3 significant digits: latency ratios get small
 
 
 def report_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:

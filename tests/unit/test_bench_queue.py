@@ -213,7 +213,7 @@ def test_shape_and_report_rows() -> None:
     assert toko_row[2].startswith("6750 (6500-7000) · 675 (650-700) · 0.55 ms (0.50-0.60)")
     assert arq_row[3] == "" and arq_row[2].startswith("3000 · 300 · 7.00 ms")
     assert ratio_row[0] == "(e) ratio toko, SQLite ÷ arq (Redis), tuned"
-    assert ratio_row[2].startswith("2.33 · 2.33 · 0.07")
+    assert ratio_row[2].startswith("2.33 · 2.33 · 0.0714")
 
 
 def test_a_missed_target_fails_the_scenario() -> None:
