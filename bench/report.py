@@ -188,7 +188,10 @@ def markdown(results: dict[str, Any]) -> str:
             " during these measurements.",
             "",
         ]
-    rest = [r for r in rows(results) if not r[0].startswith("(a)")]
+    if results.get("queue"):
+        out += scenario_queue.markdown(results["queue"])
+    # (a) and (e) have tables of their own above.
+    rest = [r for r in rows(results) if not r[0].startswith(("(a)", "(e)"))]
     if rest:
         out += ["| Scenario | Measure | Value | Target |", "|---|---|---|---|"]
         for r in rest:

@@ -567,6 +567,59 @@ def report_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return out
 
 
+def markdown(result: dict[str, Any]) -> list[str]:
+    """README-ready lines: one row per system, then the ratios toko ÷ peer."""
+    c, t = result["config"], result["targets"]
+    cut = result.get("partial", {})
+    out = [
+        f"**(e) The queue against its peers**: {c['jobs']} jobs per drain, 10 ms jobs at"
+        f" concurrency {c['concurrency']}, latency at a steady {c['latency_rate']:g} jobs/s"
+        f" for {c['latency_seconds']:g} s; median of {c['reps']} (min-max). Targets for toko:"
+        f" ≥ {t['noop_jobs_per_s']:g} no-op jobs/s, p50 ≤ {t['latency_p50_ms']:g} ms,"
+        f" p99 ≤ {t['latency_p99_ms']:g} ms.",
+        "",
+        "| System | no-op jobs/s | 10 ms jobs/s | enqueue→start p50 | p99 | worker peak RSS |"
+        " toko targets |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for label, f in result["figures"].items():
+        mark = {m: " †" if m in cut.get(label, []) else "" for m in ("noop", "sleep")}
+        met = result.get("met_by", {}).get(label)
+        verdict = ""
+        if met is not None:
+            labels = {"noop_jobs_per_s": "no-op rate", "latency_p50_ms": "p50"}
+            missed = [labels.get(n, n.split("_")[1]) for n, ok in met.items() if not ok]
+            verdict = "✅ all met" if not missed else "❌ missed: " + ", ".join(missed)
+        out.append(
+            f"| {result['systems'][label]['name']}"
+            f" | {_fmt(f['noop_jobs_per_s'], '{:.0f}')}{mark['noop']}"
+            f" | {_fmt(f['sleep_jobs_per_s'], '{:.0f}')}{mark['sleep']}"
+            f" | {_fmt(f['latency_p50_ms'], '{:.2f}', ' ms')}"
+            f" | {_fmt(f['latency_p99_ms'], '{:.2f}', ' ms')}"
+            f" | {_fmt(f['peak_rss_mib'], '{:.1f}', ' MiB')} | {verdict} |"
+        )
+    if cut:
+        out += [
+            "",
+            f"† the drain was cut at {c.get('drain_timeout_s', '?')} s; the rate is over the"
+            " jobs done by then.",
+        ]
+    out += [
+        "",
+        "Ratios toko ÷ peer, paired within each repetition (above 1: toko drains faster;"
+        " below 1: toko starts jobs sooner or uses less memory):",
+        "",
+        "| toko ÷ peer | no-op jobs/s | 10 ms jobs/s | p50 | p99 | peak RSS |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for toko, peers in result["ratios"].items():
+        for peer, r in peers.items():
+            cells = " | ".join(_ratio(r[m]) for m in METRICS)
+            names = f"{result['systems'][toko]['name']} ÷ {result['systems'][peer]['name']}"
+            out.append(f"| {names} | {cells} |")
+    return [*out, ""]
+
+
 def _main(argv: list[str]) -> int:
     """Development entry: ``python -m bench.scenario_queue [--smoke] [--profile=DIR] [system ...]``.
 

@@ -29,6 +29,7 @@ from bench.scenario_queue import (
     Targets,
     figures,
     latency_summary,
+    markdown,
     meets,
     needs,
     partial,
@@ -214,6 +215,11 @@ def test_shape_and_report_rows() -> None:
     assert arq_row[3] == "" and arq_row[2].startswith("3000 · 300 · 7.00 ms")
     assert ratio_row[0] == "(e) ratio toko, SQLite ÷ arq (Redis), tuned"
     assert ratio_row[2].startswith("2.33 · 2.33 · 0.0714")
+    md = markdown(result)
+    assert "| toko, SQLite | 6750 (6500-7000) | 675 (650-700) | 0.55 ms (0.50-0.60)" in md[4]
+    assert md[4].endswith("| ✅ all met |")
+    assert md[5].startswith("| arq (Redis), tuned | 3000 |") and md[5].endswith("|  |")
+    assert md[-2].startswith("| toko, SQLite ÷ arq (Redis), tuned | 2.33 | 2.33 | 0.0714")
 
 
 def test_a_missed_target_fails_the_scenario() -> None:
