@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench: cannot extract {args.toko_ref}: {exc.stderr}", file=sys.stderr)
             return 2
     else:
-        argv = shlex.split(args.toko_cmd) if args.toko_cmd else [str(venv_bin("toko-api"))]
-        toko = TokoCommand(argv, revision=_git_describe())
+        toko_argv = shlex.split(args.toko_cmd) if args.toko_cmd else [str(venv_bin("toko-api"))]
+        toko = TokoCommand(toko_argv, revision=_git_describe())
     if not shutil.which(toko.argv[0]):
         print(f"bench: {toko.argv[0]} not found or not executable", file=sys.stderr)
         return 2
