@@ -388,15 +388,9 @@ class PostgresStore:
         # FOR UPDATE cannot sit under a UNION, hence one CTE per source. Each
         # stops after ``limit`` rows of its partial index; SKIP LOCKED lets
         # claimers on other instances take the next rows instead of waiting.
-        # A claim need not survive a server crash (its job would only run
-        # again, as after any crash), so it commits without waiting for the
-        # WAL flush: ``no_flush`` turns synchronous_commit off for this
-        # statement's own transaction. The ack's durable commit flushes it.
         rows = await self._fetch(
             f"""
-            WITH no_flush AS (
-                SELECT set_config('synchronous_commit', 'off', true)
-            ), due AS (
+            WITH due AS (
                 SELECT id FROM jobs WHERE state = 'pending' AND run_at <= $1
                  ORDER BY run_at, id LIMIT $3 FOR UPDATE SKIP LOCKED
             ), expired AS (
@@ -407,7 +401,7 @@ class PostgresStore:
             )
             UPDATE jobs SET state = 'running', attempts = attempts + 1,
                    lease_until = $2, updated_at = $1
-              FROM picked, no_flush WHERE jobs.id = picked.id
+              FROM picked WHERE jobs.id = picked.id
             RETURNING {", ".join(f"jobs.{c}" for c in _JOB_COLUMNS.split(", "))}
             """,
             now,
