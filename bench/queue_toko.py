@@ -14,14 +14,13 @@ Target: ``{"database": path-or-URL, "password_file": ...}``; settings:
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import service.runner
 from bench.queue_common import JobBody, Producer, RunningWorker
 from service.mail import LogMailer
-from service.models import Job, NewJob, leased_job
+from service.models import Job, NewJob
 from service.store.base import Store
 from service.store.postgres import PostgresStore
 from service.store.sqlite import SqliteStore
@@ -59,20 +58,14 @@ class _StoreProducer:
         if pool is None:  # another process: the worker hears of it (LISTEN or sweep)
             await self.store.enqueue(NewJob(kind, payload, MAX_ATTEMPTS))
             return
+
         # As POST /produk does (service/routes.py): with a worker slot free the
         # job is written already leased and handed straight to the pool.
-        leased_for = pool.reserve()
-        job = NewJob(kind, payload, MAX_ATTEMPTS, leased_for)
-        try:
-            job_id = await self.store.enqueue(job)
-        except BaseException:
-            if leased_for is not None:
-                pool.dispatch(None)
-            raise
-        if leased_for is None:
-            pool.notify()
-        else:
-            pool.dispatch(leased_job(job_id, job, time.time()))
+        async def write(leased_for: float | None) -> tuple[None, int, NewJob]:
+            job = NewJob(kind, payload, MAX_ATTEMPTS, leased_for)
+            return None, await self.store.enqueue(job), job
+
+        await pool.enqueue_here(write)
 
     async def close(self) -> None:
         if self.owned:

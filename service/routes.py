@@ -8,7 +8,7 @@ from aiohttp import web
 
 from service.errors import json_error
 from service.keys import METRICS, POOL, SETTINGS, STORE
-from service.models import NewJob, Product, leased_job
+from service.models import NewJob, Product
 from service.openapi import openapi_document
 from service.store.base import StoreError
 from service.tasks import PRODUCT_EMAIL, product_email_job
@@ -31,24 +31,18 @@ async def create_product(request: web.Request) -> web.Response:
     data = parse_json_object(await request.read())
     nama, harga = validate_new_product(data)
     max_attempts = request.app[SETTINGS].job_max_attempts
-    pool = request.app[POOL]
+    store = request.app[STORE]
+
+    async def write(leased_for: float | None) -> tuple[Product, int, NewJob]:
+        def make_job(product: Product) -> NewJob:
+            return product_email_job(product, max_attempts, leased_for)
+
+        product, job_id = await store.create_product(nama, harga, make_job)
+        return product, job_id, make_job(product)
+
     # With a worker slot free, the job is written already claimed and handed
     # straight to the pool; otherwise it waits pending for the claimer.
-    leased_for = pool.reserve()
-
-    def make_job(product: Product) -> NewJob:
-        return product_email_job(product, max_attempts, leased_for)
-
-    try:
-        product, job_id = await request.app[STORE].create_product(nama, harga, make_job)
-    except BaseException:
-        if leased_for is not None:
-            pool.dispatch(None)
-        raise
-    if leased_for is None:
-        pool.notify()
-    else:
-        pool.dispatch(leased_job(job_id, make_job(product), product.created_at))
+    product, job_id = await request.app[POOL].enqueue_here(write)
     request.app[METRICS].job_enqueued(PRODUCT_EMAIL)
     log.debug("product created", extra={"PRODUCT_ID": product.id, "JOB_ID": job_id})
     return web.json_response(

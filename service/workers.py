@@ -23,11 +23,11 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
-from service.models import Job
+from service.models import Job, NewJob, leased_job
 from service.store.base import Store, StoreError
 from service.tasks import Handler, JobContext, job_fields
 
@@ -46,6 +46,7 @@ DEATH_WINDOW_SECONDS = 60.0
 
 
 JobOutcome = Literal["succeeded", "retried", "failed"]
+T = TypeVar("T")
 
 
 class JobObserver(Protocol):
@@ -141,7 +142,8 @@ class WorkerPool:
 
         Returns the lease (seconds) to enqueue it with (``NewJob.leased_for``),
         or None when no slot is free: then enqueue it pending and ``notify()``.
-        Every reservation must end in ``dispatch()``. A job enqueued leased
+        Every reservation must end in ``dispatch()``; ``enqueue_here`` does
+        all of it. A job enqueued leased
         skips the claim, a second write and a hop through the store, which is
         most of what stands between a commit and its job starting.
         """
@@ -149,6 +151,29 @@ class WorkerPool:
             return None
         self._reserved += 1
         return self._config.lease_seconds
+
+    async def enqueue_here(
+        self, write: Callable[[float | None], Awaitable[tuple[T, int, NewJob]]]
+    ) -> tuple[T, int]:
+        """Enqueue a job through ``write`` and run it here if a slot is free.
+
+        ``write(leased_for)`` stores the job (``NewJob.leased_for=leased_for``)
+        and returns (its own result, the job id, the job). With a slot free the
+        job is written already leased and handed over; otherwise it is written
+        pending and the claimer is woken. Returns (result, job id).
+        """
+        leased_for = self.reserve()
+        try:
+            result, job_id, job = await write(leased_for)
+        except BaseException:
+            if leased_for is not None:
+                self.dispatch(None)
+            raise
+        if leased_for is None:
+            self.notify()
+        else:
+            self.dispatch(leased_job(job_id, job, self._clock()))
+        return result, job_id
 
     def dispatch(self, job: Job | None) -> None:
         """End a reservation: run ``job`` (enqueued leased), or None if it was not stored."""

@@ -90,15 +90,40 @@ async def test_a_reserved_job_runs_without_a_claim(
         return jobs
 
     monkeypatch.setattr(store, "claim", recording_claim)
-    leased_for = pool.reserve()
-    assert leased_for == pool._config.lease_seconds
-    new = NewJob("k", {}, 3, leased_for=leased_for)
-    job_id = await store.enqueue(new)
-    pool.dispatch(leased_job(job_id, new, 0.0))
+
+    async def write(leased_for: float | None) -> tuple[None, int, NewJob]:
+        assert leased_for == pool._config.lease_seconds  # a slot is free
+        job = NewJob("k", {}, 3, leased_for=leased_for)
+        return None, await store.enqueue(job), job
+
+    _, job_id = await pool.enqueue_here(write)
     async with asyncio.timeout(5):
         await ran.wait()
     assert (await wait_state(store, job_id, "done")).attempts == 1
     assert claimed == []  # it never went through a claim
+
+
+async def test_without_a_free_slot_the_job_waits_pending_for_the_claimer(
+    store: Store, make_pool: Callable[..., WorkerPool]
+) -> None:
+    release = asyncio.Event()
+
+    async def handler(job: Job, ctx: JobContext) -> None:
+        await release.wait()
+
+    pool = make_pool(handler, workers=1)
+    await pool.start()
+
+    async def write(leased_for: float | None) -> tuple[None, int, NewJob]:
+        job = NewJob("k", {}, 3, leased_for=leased_for)
+        return None, await store.enqueue(job), job
+
+    ids = [(await pool.enqueue_here(write))[1] for _ in range(3)]
+    states = [(await store.get_job(i)).state for i in ids]  # type: ignore[union-attr]
+    assert states == ["running", "running", "pending"]  # one worker + one prefetch
+    release.set()
+    for job_id in ids:
+        await wait_state(store, job_id, "done")
 
 
 async def test_reservations_stop_at_the_pool_capacity(
