@@ -3,21 +3,19 @@
 Built the way toko-api builds it (service/app.py, service/runner.py): the
 store (``SqliteStore`` or ``PostgresStore``), a ``WorkerPool`` with
 ``PoolConfig(workers=...)``, ``store.add_wakeup_listener(pool.notify)`` (LISTEN/
-NOTIFY on PostgreSQL), and the GIL switch interval toko-api sets, if any. The
-in-process producer enqueues the way ``POST /produk`` does: ``pool.reserve()``,
-the job committed already leased when a slot is free and handed over with
-``pool.dispatch()``, else committed pending and ``pool.notify()``.
+NOTIFY on PostgreSQL), with Python's default GIL switch interval as toko-api
+keeps it. The in-process producer enqueues the way ``POST /produk`` does,
+through ``pool.enqueue_here()``: the job committed already leased when a slot
+is free and handed over, else committed pending and the claimer woken.
 Target: ``{"database": path-or-URL, "password_file": ...}``; settings:
 ``{"workers": int}``.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-import service.runner
 from bench.queue_common import JobBody, Producer, RunningWorker
 from service.mail import LogMailer
 from service.models import Job, NewJob
@@ -90,9 +88,6 @@ class TokoAdapter:
     async def start_worker(
         self, target: dict[str, Any], settings: dict[str, Any], bodies: dict[str, JobBody]
     ) -> RunningWorker:
-        switch = getattr(service.runner, "GIL_SWITCH_SECONDS", None)
-        if switch is not None:  # toko-api's own setting, when it has one
-            sys.setswitchinterval(switch)
         s = {**DEFAULT_SETTINGS, **settings}
         store = open_store(target)
         await store.open()

@@ -402,10 +402,7 @@ def _run_toko(cfg: TutorialConfig, workdir: Path) -> dict[str, Any]:
             and set(q["states"]) <= {"pending", "running", "done"}
         ),
     }
-    f["stop"] = stop
-    f["cpu"] = cpu
-    f["rss_kib"] = rss
-    f["before"] = quiet
+    f.update(stop=stop, cpu=cpu, rss_kib=rss, before=quiet)
     _print_figures(TOKO, f)
     return f
 
@@ -449,10 +446,7 @@ def _run_go(cfg: TutorialConfig, workdir: Path, binary: Path) -> dict[str, Any]:
     log = parse_go_log(log_path.read_text(errors="replace"), token)
     f["durability"] = go_durability(ok_indexes, log)
     f["durability"]["emails_sent_during_load"] = emails_during
-    f["stop"] = stop
-    f["cpu"] = cpu
-    f["rss_kib"] = rss
-    f["before"] = quiet
+    f.update(stop=stop, cpu=cpu, rss_kib=rss, before=quiet)
     _print_figures(GO, f)
     return f
 

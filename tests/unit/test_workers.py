@@ -52,15 +52,21 @@ async def wait_state(store: Store, job_id: int, state: str) -> Job:
             await asyncio.sleep(0.01)  # no event for a row change; poll with a deadline
 
 
-async def test_a_committed_job_wakes_the_pool_without_waiting_for_a_sweep(
-    store: Store, make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(workers, "SWEEP_SECONDS", 60.0)
+def signalling_handler() -> tuple[asyncio.Event, HandlerFn]:
+    """A handler that sets the returned event when it runs."""
     ran = asyncio.Event()
 
     async def handler(job: Job, ctx: JobContext) -> None:
         ran.set()
 
+    return ran, handler
+
+
+async def test_a_committed_job_wakes_the_pool_without_waiting_for_a_sweep(
+    store: Store, make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(workers, "SWEEP_SECONDS", 60.0)
+    ran, handler = signalling_handler()
     pool = make_pool(handler)
     await pool.start()
     await asyncio.sleep(0.05)  # let the claimer find the queue empty and park
@@ -74,11 +80,7 @@ async def test_a_reserved_job_runs_without_a_claim(
     store: Store, make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(workers, "SWEEP_SECONDS", 60.0)
-    ran = asyncio.Event()
-
-    async def handler(job: Job, ctx: JobContext) -> None:
-        ran.set()
-
+    ran, handler = signalling_handler()
     pool = make_pool(handler)
     await pool.start()
     claimed: list[int] = []
