@@ -104,6 +104,7 @@ class WorkerPool:
         self._ack_wakeup = asyncio.Event()
         self._busy = 0
         self._reserved = 0  # slots promised to jobs being enqueued here (reserve())
+        self._claiming = 0  # slots the claim in flight may fill
         self._stopping = False
         self._deaths: list[float] = []
         self._gave_up = False
@@ -278,7 +279,11 @@ class WorkerPool:
             # again, so no wake-up is lost between the claim and the wait.
             self._wakeup.clear()
             try:
-                jobs = await self._store.claim(free, self._config.lease_seconds)
+                self._claiming = free
+                try:
+                    jobs = await self._store.claim(free, self._config.lease_seconds)
+                finally:
+                    self._claiming = 0
                 for job in jobs:
                     self._handoff.put_nowait(job)
                 if len(jobs) == free:
@@ -293,8 +298,9 @@ class WorkerPool:
                 await asyncio.wait_for(self._wakeup.wait(), wait)
 
     def _free_slots(self) -> int:
-        # A job for every live worker plus one of prefetch each.
-        taken = self._busy + self._handoff.qsize() + self._reserved
+        # A job for every live worker plus one of prefetch each; a claim in
+        # flight may fill its share, so reserve() must not promise it again.
+        taken = self._busy + self._handoff.qsize() + self._reserved + self._claiming
         return self.alive + self._config.workers - taken
 
     async def _seconds_until_due(self) -> float:

@@ -62,6 +62,22 @@ def signalling_handler() -> tuple[asyncio.Event, HandlerFn]:
     return ran, handler
 
 
+async def start_parked(pool: WorkerPool, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start ``pool`` and return once its claimer's first claim (of an empty queue) is done,
+    so that claim's slots are free again for reservations."""
+    claimed = asyncio.Event()
+    real_claim = store.claim
+
+    async def signalling_claim(limit: int, lease_seconds: float) -> list[Job]:
+        jobs = await real_claim(limit, lease_seconds)
+        claimed.set()
+        return jobs
+
+    monkeypatch.setattr(store, "claim", signalling_claim)
+    await pool.start()
+    await claimed.wait()
+
+
 async def test_a_committed_job_wakes_the_pool_without_waiting_for_a_sweep(
     store: Store, make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -106,7 +122,7 @@ async def test_a_reserved_job_runs_without_a_claim(
 
 
 async def test_without_a_free_slot_the_job_waits_pending_for_the_claimer(
-    store: Store, make_pool: Callable[..., WorkerPool]
+    store: Store, make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     release = asyncio.Event()
 
@@ -114,7 +130,7 @@ async def test_without_a_free_slot_the_job_waits_pending_for_the_claimer(
         await release.wait()
 
     pool = make_pool(handler, workers=1)
-    await pool.start()
+    await start_parked(pool, store, monkeypatch)
 
     async def write(leased_for: float | None) -> tuple[None, int, NewJob]:
         job = NewJob("k", {}, 3, leased_for=leased_for)
@@ -126,6 +142,29 @@ async def test_without_a_free_slot_the_job_waits_pending_for_the_claimer(
     release.set()
     for job_id in ids:
         await wait_state(store, job_id, "done")
+
+
+async def test_a_claim_in_flight_holds_its_slots_against_reservations(
+    store: Store, make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def handler(job: Job, ctx: JobContext) -> None:
+        pass
+
+    in_claim = asyncio.Event()
+    finish_claim = asyncio.Event()
+    real_claim = store.claim
+
+    async def slow_claim(limit: int, lease_seconds: float) -> list[Job]:
+        in_claim.set()
+        await finish_claim.wait()
+        return await real_claim(limit, lease_seconds)
+
+    monkeypatch.setattr(store, "claim", slow_claim)
+    pool = make_pool(handler, workers=1)
+    await pool.start()
+    await in_claim.wait()
+    assert pool.reserve() is None  # both slots may be filled by that claim
+    finish_claim.set()
 
 
 async def test_reservations_stop_at_the_pool_capacity(
@@ -144,7 +183,7 @@ async def test_reservations_stop_at_the_pool_capacity(
 
 
 async def test_stop_puts_back_a_leased_job_that_never_started(
-    store: Store, make_pool: Callable[..., WorkerPool]
+    store: Store, make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     started = asyncio.Event()
     release = asyncio.Event()
@@ -154,7 +193,7 @@ async def test_stop_puts_back_a_leased_job_that_never_started(
         await release.wait()
 
     pool = make_pool(handler, workers=1)
-    await pool.start()
+    await start_parked(pool, store, monkeypatch)
     ids = []
     for _ in range(2):
         new = NewJob("k", {}, 3, leased_for=pool.reserve())
