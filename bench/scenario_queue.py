@@ -29,13 +29,17 @@ repetition, and the ratios toko ÷ peer pair figures of the same repetition.
    ``latency_seconds``, open loop (job i is sent at t0 + i/rate whatever the
    previous enqueue is doing); the payload carries ``time.time()`` taken just
    before the enqueue call and the job's first line records ``time.time()``
-   minus it. toko on SQLite is single-process, so its producer runs inside
-   the worker process and enqueues as toko-api does (commit, then
-   ``pool.notify()``); toko on PostgreSQL and the peers get a separate
-   producer process (toko wakes through LISTEN/NOTIFY, procrastinate too,
-   arq polls Redis). Note: toko's enqueue returns after a durable commit
-   (fsync), procrastinate's too; arq's returns once Redis has it in memory
-   (persistence off), so its enqueue does less than toko's.
+   minus it. toko's producer runs inside the worker process and enqueues as
+   toko-api's POST /produk does (``pool.enqueue_here()``: with a worker slot
+   free the job is committed already leased and handed over). A second row,
+   ``toko-postgres-remote`` (this measure only), enqueues from a separate
+   process instead, as another toko-api instance on the same database would:
+   the job reaches the worker through LISTEN/NOTIFY and a claim. The peers
+   get a separate producer process (procrastinate wakes through
+   LISTEN/NOTIFY, arq polls Redis), as their workers are deployed. Note:
+   toko's enqueue returns after a durable commit (fsync), procrastinate's
+   too; arq's returns once Redis has it in memory (persistence off), so its
+   enqueue does less than toko's.
 4. **Peak RSS** of the worker process: VmHWM from /proc/<pid>/status at the end
    of the no-op drain (every measurement's is in the runs).
 
@@ -72,18 +76,30 @@ from bench.queue_worker import adapter
 from bench.redis_server import RedisServer, redis_server
 from bench.stats import Spread, fmt_spread, percentile, spread
 
-TOKO = ("toko-sqlite", "toko-postgres")
+TOKO = ("toko-sqlite", "toko-postgres", "toko-postgres-remote")
+# The rows held to the issue's targets; the remote one is a diagnostic.
+TOKO_TARGETED = ("toko-sqlite", "toko-postgres")
+# Measured with a producer process of its own; every other toko row produces in-process.
+REMOTE = "toko-postgres-remote"
 PEERS = ("arq-default", "arq-tuned", "procrastinate-default", "procrastinate-tuned")
 ALL_SYSTEMS = (*TOKO, *PEERS)
 NAMES = {
     "toko-sqlite": "toko, SQLite",
     "toko-postgres": "toko, PostgreSQL",
+    "toko-postgres-remote": "toko, PostgreSQL, enqueued by another process",
     "arq-default": "arq (Redis), defaults",
     "arq-tuned": "arq (Redis), tuned",
     "procrastinate-default": "procrastinate, defaults",
     "procrastinate-tuned": "procrastinate, tuned",
 }
 MEASURES = ("noop", "sleep", "latency")
+
+
+def measures_of(label: str) -> tuple[str, ...]:
+    # The remote row differs from toko-postgres only in where jobs are enqueued.
+    return ("latency",) if label == REMOTE else MEASURES
+
+
 METRICS = (
     "noop_jobs_per_s",
     "sleep_jobs_per_s",
@@ -135,7 +151,7 @@ def system_of(label: str) -> str:
 
 def needs(systems: tuple[str, ...]) -> tuple[bool, bool]:
     """(PostgreSQL cluster needed, Redis server needed)."""
-    pg = any(s == "toko-postgres" or system_of(s) == "procrastinate" for s in systems)
+    pg = any(s.startswith("toko-postgres") or system_of(s) == "procrastinate" for s in systems)
     redis = any(system_of(s) == "arq" for s in systems)
     return pg, redis
 
@@ -231,7 +247,7 @@ def shape(
     figs = {label: figures(reps) for label, reps in per_rep.items()}
     toko = [label for label in runs if label in TOKO]
     peers = [label for label in runs if label not in TOKO]
-    met_by = {label: meets(figs[label], cfg.targets) for label in toko}
+    met_by = {label: meets(figs[label], cfg.targets) for label in toko if label in TOKO_TARGETED}
     return {
         "config": {
             "jobs": cfg.jobs,
@@ -248,7 +264,9 @@ def shape(
         "systems": {
             label: {
                 "name": NAMES.get(label, label),
-                "settings": {m: settings_for(label, m, cfg.concurrency) for m in MEASURES},
+                "settings": {
+                    m: settings_for(label, m, cfg.concurrency) for m in measures_of(label)
+                },
             }
             for label in runs
         },
@@ -353,7 +371,7 @@ def _measure(
     settings = settings_for(label, measure, cfg.concurrency)
     kind = "sleep" if measure == "sleep" else "noop"
     latency = measure == "latency"
-    in_process = latency and label == "toko-sqlite"
+    in_process = latency and label in TOKO and label != REMOTE
     expect = int(cfg.latency_rate * cfg.latency_seconds) if latency else cfg.jobs
     timeout = cfg.latency_seconds + 60.0 if latency else cfg.drain_timeout_s
     seeded_s = None
@@ -480,6 +498,8 @@ def run(cfg: QueueConfig, workdir: Path) -> dict[str, Any]:
                 runs[label].append({})
             for measure in MEASURES:
                 for label in cfg.systems:
+                    if measure not in measures_of(label):
+                        continue
                     try:
                         r = _measure(cfg, backends, label, measure, rep)
                     except Exception as exc:  # one system's failure must not end the run
@@ -590,6 +610,8 @@ def markdown(result: dict[str, Any]) -> list[str]:
             labels = {"noop_jobs_per_s": "no-op rate", "latency_p50_ms": "p50"}
             missed = [labels.get(n, n.split("_")[1]) for n, ok in met.items() if not ok]
             verdict = "✅ all met" if not missed else "❌ missed: " + ", ".join(missed)
+        elif label == REMOTE:
+            verdict = "diagnostic ‡"
         out.append(
             f"| {result['systems'][label]['name']}"
             f" | {_fmt(f['noop_jobs_per_s'], '{:.0f}')}{mark['noop']}"
@@ -598,6 +620,13 @@ def markdown(result: dict[str, Any]) -> list[str]:
             f" | {_fmt(f['latency_p99_ms'], '{:.2f}', ' ms')}"
             f" | {_fmt(f['peak_rss_mib'], '{:.1f}', ' MiB')} | {verdict} |"
         )
+    if REMOTE in result["figures"]:
+        out += [
+            "",
+            "‡ A job another toko-api instance enqueued on the shared database: it reaches"
+            " this instance's workers through LISTEN/NOTIFY and a claim, one more durable"
+            " round trip than a job enqueued here (the row above, whose drains it shares).",
+        ]
     if cut:
         out += [
             "",

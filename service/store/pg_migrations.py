@@ -72,6 +72,22 @@ MIGRATIONS: tuple[str, ...] = (
     """
     CREATE INDEX jobs_done_updated_at ON jobs (updated_at) WHERE state = 'done';
     """,
+    # 3: no NOTIFY for jobs inserted already leased: their own instance runs
+    #    them, so waking every instance's claimer would only cost each a claim,
+    #    and a NOTIFY serialises the commit it rides on.
+    f"""
+    CREATE OR REPLACE FUNCTION toko_notify_jobs() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF EXISTS (SELECT 1 FROM inserted WHERE state = 'pending') THEN
+            PERFORM pg_notify('{JOBS_CHANNEL}', '');
+        END IF;
+        RETURN NULL;
+    END
+    $$;
+    DROP TRIGGER jobs_notify ON jobs;
+    CREATE TRIGGER jobs_notify AFTER INSERT ON jobs REFERENCING NEW TABLE AS inserted
+        FOR EACH STATEMENT EXECUTE FUNCTION toko_notify_jobs();
+    """,
 )
 
 LATEST_VERSION = len(MIGRATIONS)

@@ -12,7 +12,8 @@ Same contract as the SQLite store, through asyncpg (no thread, no blocking):
   instance take disjoint jobs without waiting on each other. Leases of a dead
   instance expire and the next claim anywhere takes those jobs; nothing else
   re-queues, since a running job may belong to a live instance elsewhere.
-- A trigger NOTIFYs ``toko_jobs`` in every transaction that inserts jobs;
+- A trigger NOTIFYs ``toko_jobs`` in every transaction that inserts pending
+  jobs (one enqueued already leased runs on its own instance);
   :meth:`add_wakeup_listener` LISTENs on a dedicated connection (reconnecting
   when it drops) so idle workers everywhere wake at once.
 - Recaps take a transaction-scoped advisory lock on the period, then insert

@@ -60,6 +60,10 @@ def email_job(product: Product) -> NewJob:
     return product_email_job(product, 3)
 
 
+def email_job_leased(product: Product) -> NewJob:
+    return product_email_job(product, 3, leased_for=60.0)
+
+
 async def test_concurrent_starts_migrate_once(pg_cluster: PostgresCluster, pg_url: str) -> None:
     stores = [PostgresStore(pg_url, password=pg_cluster.password) for _ in range(5)]
     await asyncio.gather(*(s.open() for s in stores))
@@ -90,6 +94,28 @@ async def test_a_job_committed_anywhere_wakes_listeners_everywhere(
     await asyncio.gather(*(b.create_product(f"p{i}", i, email_job) for i in range(20)))
     await heard_a.next()
     await heard_c.next()
+
+
+async def test_only_pending_jobs_notify_a_job_enqueued_leased_is_its_own_instances(
+    pg_cluster: PostgresCluster, pg_url: str, hosts: list[PostgresStore]
+) -> None:
+    store = hosts[0]
+    heard: asyncio.Queue[int] = asyncio.Queue()
+    conn = await pg_cluster.connect(pg_url.rsplit("/", 1)[1])
+    try:
+        await conn.add_listener("toko_jobs", lambda *_: heard.put_nowait(1))
+        await store.enqueue(NewJob("k", {}, 3, leased_for=60.0))
+        await asyncio.gather(
+            *(store.create_product(f"p{i}", i, email_job_leased) for i in range(3))
+        )
+        await store.enqueue(NewJob("k", {}, 3))
+        async with asyncio.timeout(5):
+            await heard.get()
+        # Notifications arrive in commit order: had a leased insert notified,
+        # its notification would have come first and still be queued.
+        assert heard.empty()
+    finally:
+        await conn.close()
 
 
 async def test_an_idle_pool_wakes_at_once_for_another_instances_job(

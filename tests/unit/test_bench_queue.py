@@ -30,6 +30,7 @@ from bench.scenario_queue import (
     figures,
     latency_summary,
     markdown,
+    measures_of,
     meets,
     needs,
     partial,
@@ -228,6 +229,28 @@ def test_a_missed_target_fails_the_scenario() -> None:
     result = shape(cfg, runs)
     assert result["met"] is False and not result["met_by"]["toko-postgres"]["noop_jobs_per_s"]
     assert report_rows(result)[1][3].endswith("❌ missed")
+
+
+def test_the_remote_row_measures_latency_only_and_is_not_held_to_the_targets() -> None:
+    assert measures_of("toko-postgres-remote") == ("latency",)
+    assert measures_of("toko-postgres") == ("noop", "sleep", "latency")
+    assert needs(("toko-postgres-remote",)) == (True, False)
+    systems = ("toko-sqlite", "toko-postgres-remote", "arq-tuned")
+    remote = {"latency": _run(1.0, 1.5, 2.5, 1)["latency"]}
+    runs = {
+        "toko-sqlite": [_run(7000.0, 0.5, 2.0, 1)],
+        "toko-postgres-remote": [remote],
+        "arq-tuned": [_run(3000.0, 7.0, 13.0, 1)],
+    }
+    result = shape(QueueConfig(reps=1, systems=systems), runs)
+    # Slower than p50 <= 1 ms and without drains, yet the scenario is met.
+    assert result["met"] is True and "toko-postgres-remote" not in result["met_by"]
+    assert list(result["systems"]["toko-postgres-remote"]["settings"]) == ["latency"]
+    assert result["ratios"]["toko-postgres-remote"]["arq-tuned"]["latency_p50_ms"] is not None
+    md = markdown(result)
+    row = next(line for line in md if line.startswith("| toko, PostgreSQL, enqueued by"))
+    assert "| n/a | n/a | 1.50 ms |" in row and row.endswith("| diagnostic ‡ |")
+    assert any(line.startswith("‡ A job another toko-api instance") for line in md)
 
 
 def test_smoke_config_is_smaller() -> None:
