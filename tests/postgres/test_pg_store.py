@@ -144,6 +144,41 @@ async def test_an_idle_pool_wakes_at_once_for_another_instances_job(
         await pool.stop(1.0, lambda busy: None)
 
 
+async def test_a_hot_path_connection_cut_off_midway_is_replaced(
+    pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    # Claims, acks, enqueues and product writes keep one connection each; a
+    # call cancelled mid-query must not leave the next one a broken connection,
+    # nor keep close() waiting for a connection that never went back.
+    store = PostgresStore(pg_url, password=pg_cluster.password)
+    await store.open()
+    try:
+        stuck = asyncio.create_task(
+            store._db(lambda conn: conn.execute("SELECT pg_sleep(30)"), lane=store._claims)
+        )
+        for _ in range(250):  # until the query runs on the server (5 s at most)
+            running = await fetch(
+                pg_cluster,
+                pg_url,
+                "SELECT 1 FROM pg_stat_activity"
+                " WHERE state = 'active' AND query = 'SELECT pg_sleep(30)'",
+            )
+            if running:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the query never started")
+        stuck.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stuck
+        job_id = await store.enqueue(NewJob("k", {}, 3))
+        async with asyncio.timeout(5):
+            assert [job.id for job in await store.claim(1, 30.0)] == [job_id]
+    finally:
+        async with asyncio.timeout(10):
+            await store.close()
+
+
 async def test_the_listener_reconnects_after_losing_its_connection(
     pg_cluster: PostgresCluster, pg_url: str, hosts: list[PostgresStore]
 ) -> None:
