@@ -39,19 +39,43 @@ _JOB_COLUMNS = "id, kind, payload, state, attempts, max_attempts, run_at, last_e
 _DETAIL_COLUMNS = f"{_JOB_COLUMNS}, created_at, updated_at, lease_until"
 
 
+BUSY_TIMEOUT_SECONDS = 10.0
+
+
 def connect(path: str, *, read_only: bool = False) -> sqlite3.Connection:
     """A connection set up the way every toko process needs it."""
     # isolation_level=None: we issue BEGIN/COMMIT ourselves (group commit, migrations).
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
-    conn.execute("PRAGMA busy_timeout = 10000")
+    conn = sqlite3.connect(
+        path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_SECONDS
+    )
+    conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_SECONDS * 1000)}")
     if read_only:
         conn.execute("PRAGMA query_only = 1")
     else:
-        conn.execute("PRAGMA journal_mode = WAL")
+        _use_wal(conn)
         # FULL: a commit is on disk before we answer 201, power cut included.
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA foreign_keys = ON")
     return conn
+
+
+def _use_wal(conn: sqlite3.Connection) -> None:
+    # Switching a brand-new file to WAL needs an exclusive lock. When several
+    # connections race for it (toko-api and a timer job at first boot), SQLite
+    # answers some of them "database is locked" at once instead of through the
+    # busy handler, to avoid a deadlock: wait and try again, as the handler would.
+    deadline = time.monotonic() + BUSY_TIMEOUT_SECONDS
+    delay = 0.001
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            busy = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_BUSY
+            if not busy or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
 
 
 def _details_from_row(row: Sequence[Any]) -> JobDetails:
