@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench import scenario_postgres, scenario_queue, scenario_tutorial
-from bench.stats import Spread, fmt_spread
+from bench.stats import Spread, fmt_spread, spread
 
 
 def _ms(s: Spread) -> str:
@@ -160,8 +160,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"**(a) Durable `POST /produk`**, wrk, {c['connections']} connections,"
             f" {c['runs']} alternating rounds of {c['duration_s']:g} s:",
             "",
-            "| Server | req/s | p50 | p99 | errors | server CPU |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| Server | req/s | p50 | p99 | errors | server CPU | CPU per request |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         labels = {
             "toko": "toko-api (SQLite, synchronous=FULL, log mailer)",
@@ -171,9 +171,17 @@ def markdown(results: dict[str, Any]) -> str:
         for which in c.get("targets", ["toko", "baseline"]):
             w = s[which]
             cpu = [r[which].get("cpu", {}).get("server_pct", 0.0) for r in tp["rounds"]]
+            # Steadier than req/s when the machine's speed drifts between runs.
+            per_request = [
+                r[which]["cpu"]["server_pct"] / 100 / r[which]["rps"] * 1e6
+                for r in tp["rounds"]
+                if r[which].get("cpu") and r[which].get("rps")
+            ]
+            cost = fmt_spread(spread(per_request), "{:.0f}", " µs") if per_request else "n/a"
             out.append(
                 f"| {labels.get(which, which)} | {fmt_spread(w['rps'])} | {_ms(w['p50_ms'])}"
-                f" | {_ms(w['p99_ms'])} | {w['errors']} | {sorted(cpu)[len(cpu) // 2]:.0f} % |"
+                f" | {_ms(w['p99_ms'])} | {w['errors']} | {sorted(cpu)[len(cpu) // 2]:.0f} %"
+                f" | {cost} |"
             )
         others = sorted(
             r[w].get("cpu", {}).get("others_pct", 0.0)

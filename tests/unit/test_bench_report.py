@@ -1,0 +1,39 @@
+"""The README table bench.report writes from a results file (pure; no processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.report import markdown
+from bench.stats import spread
+
+
+def _round(which: str, rps: float, server_pct: float) -> dict[str, Any]:
+    return {which: {"rps": rps, "cpu": {"server_pct": server_pct, "others_pct": 1.0}}}
+
+
+def test_throughput_table_gives_cpu_per_request() -> None:
+    rounds = [
+        _round("toko", 5000.0, 100.0) | _round("baseline", 10000.0, 100.0),
+        _round("toko", 4000.0, 80.0) | _round("baseline", 12500.0, 100.0),
+    ]
+    server = {"rps": spread([5000.0, 4000.0]), "p50_ms": spread([3.0]), "p99_ms": spread([5.0])}
+    results = {
+        "meta": {"started": "now", "command": "python -m bench", "machine": "m", "git": "abc"},
+        "throughput": {
+            "config": {"connections": 16, "runs": 2, "duration_s": 10.0},
+            "rounds": rounds,
+            "summary": {
+                "toko": server | {"errors": 0},
+                "baseline": server | {"errors": 0},
+                "ratio_per_round": spread([0.5, 0.32]),
+                "target_ratio": 0.6,
+                "met": False,
+            },
+        },
+    }
+    lines = markdown(results).splitlines()
+    assert lines[4].endswith("| server CPU | CPU per request |")
+    # 100 % of a core at 5000 req/s is 200 µs a request; 80 % at 4000 req/s too.
+    assert lines[6].startswith("| toko-api (SQLite") and lines[6].endswith("| 200 µs (200-200) |")
+    assert lines[7].endswith("| 90 µs (80-100) |")
