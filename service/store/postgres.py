@@ -105,7 +105,7 @@ class _Lane:
     """A pooled connection kept for one hot path (claims, acks, enqueues, product writes).
 
     asyncpg's acquire and release cost a few event-loop turns each (release is
-    a shielded task), 0.1-0.2 ms a call: a third of a job's enqueue-to-start
+    a shielded task), 0.1-0.2 ms a call: a fifth of a job's enqueue-to-start
     time. Claims, acks and product writes each come from one task at a time,
     so keeping their connection costs no parallelism; enqueues (alerts, recap
     jobs) are rare and take turns on the lock. A connection that failed goes
@@ -172,12 +172,10 @@ class PostgresStore:
         self._writer: asyncio.Task[None] | None = None
         self._wakeup_callbacks: list[Callable[[], None]] = []
         self._listener: asyncio.Task[None] | None = None
-        self._claims, self._acks, self._enqueues, self._product_writes = (
-            _Lane(),
-            _Lane(),
-            _Lane(),
-            _Lane(),
-        )
+        self._claims = _Lane()
+        self._acks = _Lane()
+        self._enqueues = _Lane()
+        self._product_writes = _Lane()
         self.batches = 0
         self.ops = 0
 
