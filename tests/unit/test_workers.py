@@ -62,6 +62,17 @@ def signalling_handler() -> tuple[asyncio.Event, HandlerFn]:
     return ran, handler
 
 
+def held_handler() -> tuple[asyncio.Event, asyncio.Event, HandlerFn]:
+    """A handler that sets ``started`` when it runs, then waits for ``release``."""
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def handler(job: Job, ctx: JobContext) -> None:
+        started.set()
+        await release.wait()
+
+    return started, release, handler
+
+
 async def start_parked(pool: WorkerPool, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """Start ``pool`` and return once its claimer's first claim (of an empty queue) is done,
     so that claim's slots are free again for reservations."""
@@ -185,13 +196,7 @@ async def test_reservations_stop_at_the_pool_capacity(
 async def test_stop_puts_back_a_leased_job_that_never_started(
     store: Store, make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    started = asyncio.Event()
-    release = asyncio.Event()
-
-    async def handler(job: Job, ctx: JobContext) -> None:
-        started.set()
-        await release.wait()
-
+    started, release, handler = held_handler()
     pool = make_pool(handler, workers=1)
     await start_parked(pool, store, monkeypatch)
     ids = []
@@ -304,13 +309,7 @@ async def test_a_pool_that_keeps_dying_reports_itself_unhealthy(
 async def test_stop_drains_the_running_job_and_releases_unstarted_ones(
     store: Store, make_pool: Callable[..., WorkerPool]
 ) -> None:
-    started = asyncio.Event()
-    release = asyncio.Event()
-
-    async def handler(job: Job, ctx: JobContext) -> None:
-        started.set()
-        await release.wait()
-
+    started, release, handler = held_handler()
     pool = make_pool(handler, workers=1)
     first = await store.enqueue(NewJob("k", {}, 3))
     second = await store.enqueue(NewJob("k", {}, 3))
@@ -332,12 +331,7 @@ async def test_stop_drains_the_running_job_and_releases_unstarted_ones(
 async def test_drain_timeout_leaves_the_job_for_the_next_start(
     store: Store, backend: Backend, make_pool: Callable[..., WorkerPool]
 ) -> None:
-    started = asyncio.Event()
-
-    async def handler(job: Job, ctx: JobContext) -> None:
-        started.set()
-        await asyncio.Event().wait()
-
+    started, _never, handler = held_handler()
     pool = make_pool(handler, workers=1)
     job_id = await store.enqueue(NewJob("k", {}, 3))
     await pool.start()
