@@ -9,7 +9,6 @@ import sys
 
 from service import __version__
 from service.logs import setup_logging
-from service.runner import run
 from service.settings import ConfigError, Settings
 from service.store.base import StoreError
 from service.store.lock import InstanceLock, InstanceLocked
@@ -62,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         print("toko-api: configuration is valid")
         return 0
+    # Imported here, not at the top: --version, --help and --check-config
+    # answer without loading aiohttp and the rest of the server.
+    from service.runner import run
+
     setup_logging(settings.log_level, journal=settings.journal, identifier="toko-api")
     log = logging.getLogger("toko")
     # The lock guards a SQLite file; a shared database has many instances by design.

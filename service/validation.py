@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,6 +14,8 @@ PAGE_MAX = 200
 # SQLite and PostgreSQL integers are 64-bit; larger ids cannot exist.
 ID_MAX = 2**63 - 1
 PRODUCT_FIELDS = frozenset({"nama", "harga"})
+# C0 controls, and lone surrogates (what invalid \uD800 escapes decode to).
+_FORBIDDEN_IN_NAMA = re.compile(r"[\x00-\x1f\ud800-\udfff]")
 
 
 class InvalidInput(ValueError):
@@ -26,8 +29,10 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidInput(f"body is not valid UTF-8 (byte {exc.start})") from None
     if not text.strip():
         raise InvalidInput("body is empty; send a JSON object")
+    if text.startswith("\ufeff"):
+        raise InvalidInput("body starts with a byte order mark; send JSON without one")
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = _DECODER.decode(text)
     except json.JSONDecodeError as exc:
         raise InvalidInput(
             f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
@@ -42,7 +47,12 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 
 def _reject_constant(name: str) -> Any:
-    raise InvalidInput(f"body is not valid JSON: {name} is not a JSON number")
+    # A plain ValueError: parse_json_object adds the "not valid JSON" prefix.
+    raise ValueError(f"{name} is not a JSON number")
+
+
+# One decoder for every request: json.loads with options builds a new one each call.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 
 def validate_new_product(data: Mapping[str, Any]) -> tuple[str, int]:
@@ -63,7 +73,7 @@ def _nama(data: Mapping[str, Any]) -> str:
         raise InvalidInput("field 'nama' must not be empty")
     if len(nama) > NAMA_MAX:
         raise InvalidInput(f"field 'nama' must be at most {NAMA_MAX} characters, got {len(nama)}")
-    if any(ord(c) < 32 or 0xD800 <= ord(c) <= 0xDFFF for c in nama):
+    if _FORBIDDEN_IN_NAMA.search(nama):
         raise InvalidInput("field 'nama' must not contain control characters")
     return nama
 

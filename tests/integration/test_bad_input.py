@@ -46,6 +46,7 @@ CASES = [
     Case("5000-digit-harga", 400, b'{"nama": "Kopi", "harga": ' + b"9" * 5000 + b"}"),
     Case("invalid-utf8", 400, b'{"nama": "Kop\xff\xfe", "harga": 1}'),
     Case("lone-surrogate", 400, b'{"nama": "\\ud800", "harga": 1}'),
+    Case("byte-order-mark", 400, b'\xef\xbb\xbf{"nama": "Kopi", "harga": 1}'),
     Case("array-body", 400, _body([{"nama": "Kopi", "harga": 1}])),
     Case("null-body", 400, b"null"),
     Case("string-body", 400, b'"Kopi"'),

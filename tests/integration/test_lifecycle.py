@@ -320,6 +320,23 @@ def test_version_and_help() -> None:
     assert "TOKO_WORKERS" in usage.stdout
 
 
+def test_quick_answers_do_not_load_the_server(tmp_path: Path) -> None:
+    # --version, --help and --check-config (an ExecStartPre= line, an admin's
+    # shell) should not pay for importing aiohttp and the rest of the server.
+    probe = (
+        "import contextlib, sys\n"
+        "from service.cli import main\n"
+        "with contextlib.suppress(SystemExit):\n"
+        "    main(sys.argv[1:])\n"
+        "print('server loaded:', 'aiohttp' in sys.modules)\n"
+    )
+    env = {"TOKO_DATABASE": str(tmp_path / "x.db")}
+    for flag in ("--version", "--help", "--check-config"):
+        done = _run_cli(sys.executable, "-c", probe, flag, env=env)
+        assert done.returncode == 0, done
+        assert "server loaded: False" in done.stdout, (flag, done.stdout)
+
+
 def test_check_config(tmp_path: Path) -> None:
     env = {"TOKO_DATABASE": str(tmp_path / "x.db")}
     good = _run_cli(str(TOKO_API), "--check-config", env=env)
