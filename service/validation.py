@@ -14,8 +14,9 @@ PAGE_MAX = 200
 # SQLite and PostgreSQL integers are 64-bit; larger ids cannot exist.
 ID_MAX = 2**63 - 1
 PRODUCT_FIELDS = frozenset({"nama", "harga"})
-# C0 controls, and lone surrogates (what invalid \uD800 escapes decode to).
-_FORBIDDEN_IN_NAMA = re.compile(r"[\x00-\x1f\ud800-\udfff]")
+# Control characters (C0, DEL, C1), and lone surrogates (what a stray \uD800
+# escape decodes to): neither prints in an email subject or a shop page.
+_FORBIDDEN_IN_NAMA = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 class InvalidInput(ValueError):

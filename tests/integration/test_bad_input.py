@@ -70,6 +70,9 @@ CASES = [
     Case("nama-whitespace", 400, _body({"nama": " \t\n  ", "harga": 1})),
     Case("nama-201-chars", 400, _body({"nama": "x" * 201, "harga": 1})),
     Case("nama-10k-chars", 400, _body({"nama": "x" * 10_000, "harga": 1})),
+    Case("nama-nul", 400, b'{"nama": "Ko\\u0000pi", "harga": 1}'),
+    Case("nama-del", 400, b'{"nama": "Ko\\u007fpi", "harga": 1}'),
+    Case("nama-c1-control", 400, b'{"nama": "Ko\\u0085pi", "harga": 1}'),
     # Fields.
     Case("missing-nama", 400, _body({"harga": 1})),
     Case("missing-harga", 400, _body({"nama": "Kopi"})),
@@ -82,6 +85,19 @@ CASES = [
         415,
         _body({"nama": "Kopi", "harga": 1}),
         headers={"Content-Type": "text/plain"},
+    ),
+    # A body that does not decode in the Content-Encoding it declares.
+    Case(
+        "gzip-label-on-plain-body",
+        400,
+        _body({"nama": "Kopi", "harga": 1}),
+        headers={**JSON, "Content-Encoding": "gzip"},
+    ),
+    Case(
+        "deflate-label-on-plain-body",
+        400,
+        _body({"nama": "Kopi", "harga": 1}),
+        headers={**JSON, "Content-Encoding": "deflate"},
     ),
     Case("no-content-type", 415, _body({"nama": "Kopi", "harga": 1}), headers={}),
     Case(
