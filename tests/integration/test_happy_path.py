@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+import zlib
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -109,6 +112,19 @@ async def test_list_pagination_with_link_header(service_factory: ServiceFactory)
     assert len(logged) == 7
     subjects = sorted(str(r.get("SUBJECT")) for r in logged)
     assert all("Produk baru: Barang " in s for s in subjects), subjects
+
+
+async def test_a_compressed_body_is_read_decoded(service_factory: ServiceFactory) -> None:
+    svc = service_factory().start()
+    await svc.async_wait_ready(timeout=20)
+    body = json.dumps({"nama": "Kopi Bubuk", "harga": 30000}).encode()
+    async with aiohttp.ClientSession() as session:
+        for coding, data in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+            headers = {"Content-Type": "application/json", "Content-Encoding": coding}
+            async with session.post(svc.url("/produk"), data=data, headers=headers) as resp:
+                assert resp.status == 201, (coding, await resp.text())
+                assert (await resp.json())["nama"] == "Kopi Bubuk"
+    assert db.product_count(svc.database) == 2
 
 
 async def test_message_id_is_stable_across_retries(
