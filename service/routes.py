@@ -60,7 +60,8 @@ async def list_products(request: web.Request) -> web.Response:
     return web.json_response([p.to_json() for p in products], headers=headers)
 
 
-@routes.get(r"/produk/{id:\d+}")
+# ASCII digits: \d would also match other scripts' digits, which int() takes.
+@routes.get(r"/produk/{id:[0-9]+}")
 async def get_product(request: web.Request) -> web.Response:
     product_id = int(request.match_info["id"])
     product = await request.app[STORE].get_product(product_id) if product_id <= ID_MAX else None

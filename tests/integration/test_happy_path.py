@@ -103,6 +103,12 @@ async def test_list_pagination_with_link_header(service_factory: ServiceFactory)
         async with session.get(svc.url(f"/produk?after={ids[4]}&limit=50")) as resp:
             assert [p["id"] for p in await resp.json()] == ids[5:]
 
+        # Only ASCII digits make an id: Arabic-Indic and fullwidth "1" are not product 1.
+        assert ids[0] == 1
+        for other_one in ("%D9%A1", "%EF%BC%91"):
+            async with session.get(svc.url(f"/produk/{other_one}")) as resp:
+                assert resp.status == 404, other_one
+
     # Without TOKO_SMTP_URL the emails go to the log, one per product.
     def logged_emails(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
         found = [r for r in records if r.get("message") == "email logged"]
