@@ -9,6 +9,7 @@ without the token.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import urllib.request
 from collections.abc import Iterator
@@ -112,7 +113,7 @@ def test_every_route_is_documented_with_json_errors() -> None:
     app = create_app(Settings())
     doc = json.loads(openapi_document())
     served = {
-        (resource.canonical.replace("{id:\\d+}", "{id}"), route.method.lower())
+        (re.sub(r"\{(\w+):[^}]+\}", r"{\1}", resource.canonical), route.method.lower())
         for resource in app.router.resources()
         for route in resource
         if route.method != "HEAD"  # aiohttp adds HEAD beside every GET
