@@ -18,7 +18,7 @@ configuration comes from the environment (under systemd: /etc/toko/toko.env):
   TOKO_LISTEN            host:port to listen on (default 127.0.0.1:8080)
   TOKO_DATABASE          SQLite file (default $STATE_DIRECTORY/toko.db or ./var/toko.db)
                          or a postgresql://user@host:port/db URL
-  TOKO_SMTP_URL          smtp://[user@]host:port; unset: emails go to the log
+  TOKO_SMTP_URL          smtp://[user@]host[:port]; unset: emails go to the log
   TOKO_ADMIN_EMAIL       who gets the emails (default admin@toko.com)
   TOKO_MAIL_FROM         sender address (default toko@localhost)
   TOKO_WORKERS           concurrent job workers (default 3)

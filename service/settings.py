@@ -193,17 +193,27 @@ def _smtp_from_env(environ: Mapping[str, str]) -> SmtpTarget | None:
         port = parts.port
     except ValueError:
         port = -1
-    if parts.scheme not in {"smtp", "smtps"} or not parts.hostname or port == -1:
-        raise ConfigError(f"TOKO_SMTP_URL must look like smtp://[user@]host:port, got {raw!r}")
+    # First, so that no later message echoes the password.
     if parts.password:
         raise ConfigError(
             "TOKO_SMTP_URL must not contain a password; use the systemd credential "
             "'smtp-password' or TOKO_SMTP_PASSWORD_FILE"
         )
+    host = parts.hostname
+    if (
+        parts.scheme not in {"smtp", "smtps"}
+        or not host
+        or any(c.isspace() for c in host)
+        or port in (-1, 0)
+    ):
+        raise ConfigError(
+            f"TOKO_SMTP_URL must look like smtp://[user@]host[:port] with a port from 1 "
+            f"to 65535, got {raw!r}"
+        )
     use_tls = parts.scheme == "smtps"
     return SmtpTarget(
-        host=parts.hostname,
-        port=port or (465 if use_tls else 25),
+        host=host,
+        port=(465 if use_tls else 25) if port is None else port,
         username=unquote(parts.username) if parts.username else None,
         password=_smtp_password(environ),
         use_tls=use_tls,
