@@ -32,6 +32,7 @@ from service.settings import ConfigError, Settings
 from service.store import open_store
 from service.store.admin import QueueAdmin
 from service.store.base import Store, StoreError
+from service.validation import ID_MAX
 
 PROG = "toko-queue"
 LIST_LIMIT_MAX = 10_000
@@ -49,6 +50,13 @@ def _duration(text: str) -> float:
         return parse_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r} {exc}") from None
+
+
+def _job_id(text: str) -> int:
+    # Checked here: an id past SQLite's 64-bit integers would fail deep in the driver.
+    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= ID_MAX:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a job id (1 to {ID_MAX})")
+    return int(text)
 
 
 def _limit(text: str) -> int:
@@ -87,12 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--state", choices=JOB_STATES, required=True)
     listing.add_argument("--limit", type=_limit, default=50, help="at most N jobs (default 50)")
     show = sub.add_parser("show", parents=[common], help="one job in full")
-    show.add_argument("id", type=int, metavar="ID")
+    show.add_argument("id", type=_job_id, metavar="ID")
     retry = sub.add_parser(
         "retry", parents=[common], help="run failed jobs again with a fresh attempt budget"
     )
     which = retry.add_mutually_exclusive_group(required=True)
-    which.add_argument("ids", type=int, nargs="*", default=[], metavar="ID")
+    which.add_argument("ids", type=_job_id, nargs="*", default=[], metavar="ID")
     which.add_argument("--all-failed", action="store_true", help="every failed job")
     purge = sub.add_parser("purge", parents=[common], help="delete old done jobs")
     purge.add_argument(

@@ -113,6 +113,9 @@ async def test_usage_errors_and_env_file(tmp_path: Path) -> None:
 
     bad_age = await run("toko-queue", "purge", "--done-older-than", "7x")
     assert bad_age.returncode == 2 and "7x" in bad_age.stderr
+    for command in ("show", "retry"):
+        huge = await run("toko-queue", command, "99999999999999999999999")
+        assert huge.returncode == 2 and "not a job id" in huge.stderr, huge
     missing = await run("toko-queue", "stats", env={"TOKO_DATABASE": str(tmp_path / "no.db")})
     assert missing.returncode == 1 and "no database at" in missing.stderr
     assert not (tmp_path / "no.db").exists()  # looking must not create one
