@@ -9,6 +9,7 @@ came must still get their answer.
 from __future__ import annotations
 
 import asyncio
+import resource
 import socket
 import time
 
@@ -27,6 +28,29 @@ LISTEN_BACKLOG = 1024
 ACCEPT_SETTLE_SECONDS = 0.1
 # Then connections accepted before get this long to send their request.
 ACCEPTED_GRACE_SECONDS = 1.0
+# The kernel's default ceiling (fs.nr_open), used when the hard limit is "unlimited".
+OPEN_FILES_CEILING = 1 << 20
+
+
+def raise_open_files_limit() -> int:
+    """Lift the soft limit on open files to the hard one; return the soft limit in force.
+
+    Each connection is a file, and systemd starts services at 1024, a default
+    kept for select(). asyncio uses epoll, which has no such bound, and
+    systemd.exec(5) asks such programs to raise the soft limit themselves.
+    It matters beyond capacity: at the limit, Python 3.11's accept loop logs
+    an error and schedules a retry once per backlog slot, and those retries
+    multiply, flooding the log until files free up (CPython gh-151615).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES_CEILING if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            return soft  # a sandbox that refuses: keep what we were given
+        return wanted
+    return soft
 
 
 def listening_sockets(settings: Settings) -> tuple[list[socket.socket], str]:

@@ -18,7 +18,12 @@ from aiohttp import web
 
 from service.app import create_app
 from service.keys import POOL, STORE
-from service.listener import listening_sockets, start_serving, stop_accepting
+from service.listener import (
+    listening_sockets,
+    raise_open_files_limit,
+    start_serving,
+    stop_accepting,
+)
 from service.settings import Settings
 from service.systemd import Notifier
 from service.workers import WorkerPool
@@ -45,6 +50,7 @@ async def serve(settings: Settings) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     started = time.monotonic()
+    open_files = raise_open_files_limit()
     await runner.setup()  # opens the store and starts the pool (cleanup_ctx)
     side_tasks: list[asyncio.Task[None]] = []
     sockets: list[socket.socket] = []
@@ -63,6 +69,7 @@ async def serve(settings: Settings) -> None:
                 "WORKERS": settings.workers,
                 "STARTUP_MS": round((time.monotonic() - started) * 1000, 1),
                 "MAILER": "smtp" if settings.smtp else "log",
+                "OPEN_FILES_LIMIT": open_files,
             },
         )
         side_tasks = [asyncio.create_task(_status_loop(app, notifier), name="toko-status")]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -318,6 +320,27 @@ def test_version_and_help() -> None:
     assert usage.returncode == 0, usage
     assert "usage" in usage.stdout.lower()
     assert "TOKO_WORKERS" in usage.stdout
+
+
+def test_open_files_soft_limit_is_raised_to_the_hard_limit(
+    service_factory: ServiceFactory,
+) -> None:
+    # Started at a soft limit of 256, as systemd starts services at 1024.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard_text = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    expected = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    assert expected > 256, "this machine's hard limit leaves nothing to raise"
+    prlimit = shutil.which("prlimit")
+    assert prlimit is not None, "prlimit (util-linux) is missing"
+    svc = service_factory(
+        executable=Path(prlimit), args=(f"--nofile=256:{hard_text}", str(TOKO_API))
+    ).start()
+    svc.wait_ready(timeout=20)
+    limits = Path(f"/proc/{svc.pid}/limits").read_text()
+    (line,) = [row for row in limits.splitlines() if row.startswith("Max open files")]
+    assert line.split()[3] == str(expected), line
+    ready = svc.wait_log("ready", timeout=5)
+    assert ready["OPEN_FILES_LIMIT"] == expected, ready
 
 
 def test_quick_answers_do_not_load_the_server(tmp_path: Path) -> None:

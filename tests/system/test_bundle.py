@@ -102,6 +102,12 @@ def test_runs_unprivileged_and_confined(toko: Deployment) -> None:
     assert int(fields["CapEff"], 16) == 0 and int(fields["CapBnd"], 16) == 0
     assert fields["NoNewPrivs"].strip() == "1"
     assert fields["Seccomp"].strip() == "2"  # SystemCallFilter= is in force
+    limits = toko.machine.run(["cat", f"/proc/{toko.main_pid()}/limits"]).stdout
+    (open_files,) = [row for row in limits.splitlines() if row.startswith("Max open files")]
+    # toko-api lifts its soft limit to the hard one (glibc's setrlimit is the
+    # prlimit64 call, which the filter lets through); systemd starts it at 1024.
+    soft, hard = open_files.split()[3:5]
+    assert int(soft) > 1024 and soft == hard, open_files
 
 
 def test_bad_config_fails_once_with_one_clear_line(toko: Deployment) -> None:
