@@ -51,7 +51,9 @@ class Email:
         msg = EmailMessage()
         msg["From"] = self.mail_from
         msg["To"] = self.to
-        msg["Subject"] = self.subject
+        # The email package refuses a header with a line break in it, and counts
+        # U+2028/U+2029 as ones: a subject is one line, whatever text it quotes.
+        msg["Subject"] = " ".join(self.subject.splitlines())
         msg["Date"] = formatdate(localtime=False, usegmt=True)
         msg["Message-ID"] = self.message_id
         msg["X-Toko-Job-Id"] = str(self.job_id)

@@ -14,9 +14,10 @@ PAGE_MAX = 200
 # SQLite and PostgreSQL integers are 64-bit; larger ids cannot exist.
 ID_MAX = 2**63 - 1
 PRODUCT_FIELDS = frozenset({"nama", "harga"})
-# Control characters (C0, DEL, C1), and lone surrogates (what a stray \uD800
-# escape decodes to): neither prints in an email subject or a shop page.
-_FORBIDDEN_IN_NAMA = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+# Control characters (C0, DEL, C1), the line and paragraph separators, and
+# lone surrogates (what a stray \uD800 escape decodes to): none belongs in a
+# one-line name, an email subject or a shop page.
+_FORBIDDEN_IN_NAMA = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 
 
 class InvalidInput(ValueError):
@@ -75,7 +76,7 @@ def _nama(data: Mapping[str, Any]) -> str:
     if len(nama) > NAMA_MAX:
         raise InvalidInput(f"field 'nama' must be at most {NAMA_MAX} characters, got {len(nama)}")
     if _FORBIDDEN_IN_NAMA.search(nama):
-        raise InvalidInput("field 'nama' must not contain control characters")
+        raise InvalidInput("field 'nama' must not contain control characters or line breaks")
     return nama
 
 

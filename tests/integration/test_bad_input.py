@@ -73,6 +73,7 @@ CASES = [
     Case("nama-nul", 400, b'{"nama": "Ko\\u0000pi", "harga": 1}'),
     Case("nama-del", 400, b'{"nama": "Ko\\u007fpi", "harga": 1}'),
     Case("nama-c1-control", 400, b'{"nama": "Ko\\u0085pi", "harga": 1}'),
+    Case("nama-line-separator", 400, b'{"nama": "Kopi\\u2028Susu", "harga": 1}'),
     # Fields.
     Case("missing-nama", 400, _body({"harga": 1})),
     Case("missing-harga", 400, _body({"nama": "Kopi"})),
