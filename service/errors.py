@@ -6,6 +6,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from service.keys import SETTINGS
 from service.store.base import StoreError
@@ -59,3 +60,21 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     except Exception:
         log.exception("unhandled error", extra={"PATH": request.path})
         return json_error(500, "internal error; it has been logged")
+
+
+class ClientProtocolErrors(logging.Filter):
+    """aiohttp logs a request it cannot parse as an ERROR with a traceback.
+
+    That is the client's mistake, already answered with a 400: one WARNING line
+    naming the problem keeps ``journalctl -p err`` for our own faults.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage):
+            # The parser's message may go on to draw a caret under the bad byte.
+            problem = str(exc.message).partition("\n")[0].rstrip(": ")
+            record.msg, record.args = "%s: %s (answered 400)", (record.getMessage(), problem)
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info, record.exc_text = None, None
+        return True

@@ -17,6 +17,7 @@ import time
 from aiohttp import web
 
 from service.app import create_app
+from service.errors import ClientProtocolErrors
 from service.keys import POOL, STORE
 from service.listener import (
     listening_sockets,
@@ -51,6 +52,7 @@ async def serve(settings: Settings) -> None:
         loop.add_signal_handler(signum, stop.set)
     started = time.monotonic()
     open_files = raise_open_files_limit()
+    logging.getLogger("aiohttp.server").addFilter(ClientProtocolErrors())
     await runner.setup()  # opens the store and starts the pool (cleanup_ctx)
     side_tasks: list[asyncio.Task[None]] = []
     sockets: list[socket.socket] = []

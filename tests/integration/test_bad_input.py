@@ -8,8 +8,9 @@ every case: no product row exists in the SQLite file and /healthz is 200.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -166,6 +167,26 @@ async def test_bad_request(api: ServiceProcess, case: Case) -> None:
     health = await http.request(api.port, "GET", "/healthz", headers={})
     assert health.status == 200, health
     assert api.returncode is None
+
+
+async def test_malformed_http_is_a_400_and_a_warning_not_an_error(api: ServiceProcess) -> None:
+    # Refused by aiohttp's parser before any handler runs, so its answer is
+    # plain text; what toko decides is how loudly to log the client's mistake.
+    raw = (
+        b"POST /produk HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"
+    )
+    resp = await http.send_raw("127.0.0.1", api.port, raw)
+    assert resp.status == 400, resp
+
+    def parser_lines(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        return [r for r in records if r.get("logger") == "aiohttp.server"] or None
+
+    (line,) = await api.logs.async_wait_for(parser_lines, timeout=5, what="aiohttp.server line")
+    assert line["level"] == "WARNING", line
+    assert "chunk size" in line["message"], line
+    assert "exception" not in line, line
+    assert db.product_count(api.database) == 0
 
 
 async def test_afterwards_nothing_was_created_and_service_is_healthy(api: ServiceProcess) -> None:
