@@ -10,6 +10,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from email.utils import parseaddr
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import unquote, urlsplit
@@ -137,7 +138,10 @@ def _parse_database(raw: str) -> str:
 
 def _parse_email(raw: str) -> str:
     local, at, domain = raw.partition("@")
-    if not at or not local or not domain or any(c.isspace() or c in "<>," for c in raw):
+    plain = not any(c.isspace() or c in "<>," for c in raw)
+    # parseaddr is how the SMTP client reads the header: an address it cannot
+    # read back whole (a@b@c, a;b@c) would fail every send, not start-up.
+    if not (at and local and domain and plain) or parseaddr(raw) != ("", raw):
         raise ValueError("must be one plain address like name@example.com")
     return raw
 
