@@ -32,7 +32,7 @@ from service.settings import ConfigError, Settings
 from service.store import open_store
 from service.store.admin import QueueAdmin
 from service.store.base import Store, StoreError
-from service.validation import ID_MAX
+from service.validation import ID_MAX, ascii_int
 
 PROG = "toko-queue"
 LIST_LIMIT_MAX = 10_000
@@ -54,15 +54,17 @@ def _duration(text: str) -> float:
 
 def _job_id(text: str) -> int:
     # Checked here: an id past SQLite's 64-bit integers would fail deep in the driver.
-    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= ID_MAX:
+    value = ascii_int(text, 1, ID_MAX)
+    if value is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a job id (1 to {ID_MAX})")
-    return int(text)
+    return value
 
 
 def _limit(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= LIST_LIMIT_MAX:
+    value = ascii_int(text, 1, LIST_LIMIT_MAX)
+    if value is None:
         raise argparse.ArgumentTypeError(f"must be an integer from 1 to {LIST_LIMIT_MAX}")
-    return int(text)
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,11 +39,10 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     except InvalidInput as exc:
         return json_error(400, str(exc))
     except web.RequestPayloadError as exc:
-        # The body did not arrive as its headers describe it: a bad chunk, or
-        # bytes that do not decode in the declared Content-Encoding.
-        # Nothing more of this body can be read: end it here so aiohttp does not
-        # try to drain it after the answer (and log the error a second time),
-        # and close the connection, whose stream can no longer be trusted.
+        # The body did not arrive as its headers describe it (a bad chunk, bytes
+        # that do not decode in the declared Content-Encoding), so no more of it
+        # can be read: end it here, or aiohttp tries to drain it after the answer
+        # and logs the error again; and close the connection, no longer trusted.
         request.content.feed_eof()
         detail = getattr(exc.__cause__, "message", None) or str(exc)
         response = json_error(400, f"the request body could not be read: {detail}")

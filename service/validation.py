@@ -104,13 +104,25 @@ def page_params(query: Mapping[str, str]) -> tuple[int, int]:
     return after, limit
 
 
+def ascii_int(text: str, low: int, high: int) -> int | None:
+    """``text`` as an integer from ``low`` to ``high``, or None.
+
+    ASCII digits only: no sign, no spaces, and not the digits of other scripts,
+    which int() would take.
+    """
+    if text.isascii() and text.isdigit() and low <= int(text) <= high:
+        return int(text)
+    return None
+
+
 def _int_param(query: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
     raw = query.get(name)
     if raw is None:
         return default
-    if not raw.isascii() or not raw.isdigit() or not low <= int(raw) <= high:
+    value = ascii_int(raw, low, high)
+    if value is None:
         raise InvalidInput(f"query parameter '{name}' must be an integer from {low} to {high}")
-    return int(raw)
+    return value
 
 
 def _json_type(value: Any) -> str:

@@ -95,8 +95,7 @@ async def test_a_committed_job_wakes_the_pool_without_waiting_for_a_sweep(
     monkeypatch.setattr(workers, "SWEEP_SECONDS", 60.0)
     ran, handler = signalling_handler()
     pool = make_pool(handler)
-    await pool.start()
-    await asyncio.sleep(0.05)  # let the claimer find the queue empty and park
+    await start_parked(pool, store, monkeypatch)  # the claimer found nothing and waits
     await store.enqueue(NewJob("k", {}, 3))
     pool.notify()
     async with asyncio.timeout(5):  # far below the 60 s sweep
