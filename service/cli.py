@@ -26,6 +26,7 @@ configuration comes from the environment (under systemd: /etc/toko/toko.env):
   TOKO_JOB_BACKOFF       base seconds of the exponential retry backoff (default 2)
   TOKO_JOB_TIMEOUT       seconds one attempt may take (default 30)
   TOKO_DRAIN_TIMEOUT     seconds running jobs get to finish on stop (default 10)
+  TOKO_CLIENT_TIMEOUT    seconds a client has to send a request, then its body (default 75)
   TOKO_JOB_RETENTION     age after which toko-recap prunes done jobs (default 7d)
   TOKO_LOG_LEVEL         debug, info, warning or error (default info)
 Secrets come from systemd credentials or files, never from the environment:

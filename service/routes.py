@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aiohttp import web
 
-from service.errors import json_error
+from service.errors import abandon_body, json_error
 from service.keys import METRICS, POOL, SETTINGS, STORE
 from service.models import NewJob, Product
 from service.openapi import openapi_document
@@ -28,7 +29,19 @@ async def create_product(request: web.Request) -> web.Response:
             f"Content-Type must be application/json, got {request.content_type or 'none'} "
             "(with curl: -H 'Content-Type: application/json')",
         )
-    data = parse_json_object(await request.read())
+    try:
+        body = await _read_body(request)
+    except TimeoutError:
+        timeout = request.app[SETTINGS].client_timeout
+        message = f"the request body did not arrive within {timeout:g} s"
+        return abandon_body(request, json_error(408, message))
+    except ConnectionResetError:
+        # The client's doing, not a fault of ours: one line, no traceback.
+        log.info("client hung up before sending the whole body", extra={"PATH": request.path})
+        return abandon_body(
+            request, json_error(400, "the connection closed before the body arrived")
+        )
+    data = parse_json_object(body)
     nama, harga = validate_new_product(data)
     max_attempts = request.app[SETTINGS].job_max_attempts
     store = request.app[STORE]
@@ -48,6 +61,15 @@ async def create_product(request: web.Request) -> web.Response:
     return web.json_response(
         product.to_json(), status=201, headers={"Location": f"/produk/{product.id}"}
     )
+
+
+async def _read_body(request: web.Request) -> bytes:
+    # Usually the whole body came with the headers. One still arriving gets
+    # TOKO_CLIENT_TIMEOUT, so a client trickling it cannot hold a handler forever.
+    if request.content.is_eof():
+        return await request.read()
+    async with asyncio.timeout(request.app[SETTINGS].client_timeout):
+        return await request.read()
 
 
 @routes.get("/produk")

@@ -43,8 +43,16 @@ class SideTaskDied(RuntimeError):
 async def serve(settings: Settings) -> None:
     notifier = Notifier(settings.notify_socket)
     app = create_app(settings, notifier)
+    # aiohttp's keep-alive timer also closes a connection that has not sent a
+    # whole request in that time (nothing, or headers trickled a byte at a
+    # time); its own default is an hour, so a few thousand idle sockets could
+    # pin the process's open files.
     runner = web.AppRunner(
-        app, handle_signals=False, access_log=None, shutdown_timeout=REQUEST_GRACE_SECONDS
+        app,
+        handle_signals=False,
+        access_log=None,
+        shutdown_timeout=REQUEST_GRACE_SECONDS,
+        keepalive_timeout=settings.client_timeout,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -50,6 +50,9 @@ class Settings:
     job_backoff: float = 2.0
     job_timeout: float = 30.0
     drain_timeout: float = 10.0
+    # How long an HTTP client may take to send a request (from connecting, or
+    # from the last answer on a kept-alive connection) and then its body.
+    client_timeout: float = 75.0
     log_level: str = "INFO"
     max_body_bytes: int = 64 * 1024
     backup_dir: str = "var/backups"
@@ -95,6 +98,7 @@ class Settings:
             job_backoff=env.get("TOKO_JOB_BACKOFF", _seconds(0.0, 3600.0), 2.0),
             job_timeout=env.get("TOKO_JOB_TIMEOUT", _seconds(0.1, 3600.0), 30.0),
             drain_timeout=env.get("TOKO_DRAIN_TIMEOUT", _seconds(0.0, 3600.0), 10.0),
+            client_timeout=env.get("TOKO_CLIENT_TIMEOUT", _seconds(1.0, 3600.0), 75.0),
             log_level=env.get("TOKO_LOG_LEVEL", _parse_log_level, "INFO"),
             backup_dir=env.get("TOKO_BACKUP_DIR", str, default_backups),
             backup_keep=env.get("TOKO_BACKUP_KEEP", _int_between(1, 10000), 7),

@@ -15,6 +15,7 @@ def test_defaults_need_no_configuration() -> None:
     assert s.admin_email == "admin@toko.com"
     assert s.workers == 3
     assert s.drain_timeout == 10.0
+    assert s.client_timeout == 75.0
     assert s.watchdog_interval is None
     assert s.backup_dir == "var/backups"
 
@@ -38,6 +39,8 @@ def test_state_directory_holds_the_database_and_backups() -> None:
         ("TOKO_JOB_BACKOFF", "nan"),
         ("TOKO_JOB_TIMEOUT", "0"),
         ("TOKO_DRAIN_TIMEOUT", "soon"),
+        ("TOKO_CLIENT_TIMEOUT", "0"),
+        ("TOKO_CLIENT_TIMEOUT", "forever"),
         ("TOKO_ADMIN_EMAIL", "not-an-address"),
         ("TOKO_MAIL_FROM", "a@b, c@d"),
         ("TOKO_ADMIN_EMAIL", "a@b@c"),
