@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multidict import MultiMapping
 
 NAMA_MAX = 200
 HARGA_MAX = 10**12
@@ -92,13 +95,17 @@ def _harga(data: Mapping[str, Any]) -> int:
     return harga
 
 
-def page_params(query: Mapping[str, str]) -> tuple[int, int]:
+def page_params(query: MultiMapping[str]) -> tuple[int, int]:
     """(after_id, limit) from ``?after=&limit=``."""
     unknown = sorted(set(query) - {"after", "limit"})
     if unknown:
         raise InvalidInput(
             f"unknown query parameter(s): {', '.join(unknown)}; allowed: after, limit"
         )
+    # ?limit=1&limit=200 has no one meaning; taking either would be a guess.
+    repeated = sorted({name for name in query if len(query.getall(name)) > 1})
+    if repeated:
+        raise InvalidInput(f"query parameter(s) given more than once: {', '.join(repeated)}")
     limit = _int_param(query, "limit", PAGE_DEFAULT, 1, PAGE_MAX)
     after = _int_param(query, "after", 0, 0, ID_MAX)
     return after, limit

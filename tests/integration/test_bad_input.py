@@ -126,6 +126,7 @@ CASES = [
     Case("limit-float", 400, None, method="GET", path="/produk?limit=1.5"),
     Case("after-text", 400, None, method="GET", path="/produk?after=abc"),
     Case("after-negative", 400, None, method="GET", path="/produk?after=-5"),
+    Case("limit-twice", 400, None, method="GET", path="/produk?limit=1&limit=200"),
 ]
 
 

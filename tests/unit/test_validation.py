@@ -3,6 +3,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from multidict import MultiDict
 
 from service.validation import InvalidInput, page_params, parse_json_object, validate_new_product
 
@@ -58,8 +59,13 @@ def test_bodies_that_are_not_json_objects(body: bytes, fragment: str) -> None:
 
 
 def test_page_params() -> None:
-    assert page_params({}) == (0, 50)
-    assert page_params({"after": "10", "limit": "200"}) == (10, 200)
+    assert page_params(MultiDict()) == (0, 50)
+    assert page_params(MultiDict({"after": "10", "limit": "200"})) == (10, 200)
     for bad in ({"limit": "0"}, {"limit": "201"}, {"after": "-1"}, {"after": "x"}, {"page": "2"}):
         with pytest.raises(InvalidInput):
-            page_params(bad)
+            page_params(MultiDict(bad))
+
+
+def test_a_repeated_page_param_is_refused_not_guessed() -> None:
+    with pytest.raises(InvalidInput, match="more than once: limit"):
+        page_params(MultiDict([("limit", "1"), ("limit", "200")]))
