@@ -9,12 +9,15 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from service.keys import SETTINGS
+from service.logs import Throttle
 from service.store.base import StoreError
 from service.validation import InvalidInput
 
 log = logging.getLogger("toko.http")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Every request fails alike while the store is down: log a sample, not each.
+_STORE_FAILURES = Throttle()
 
 
 def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -63,7 +66,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         return json_error(exc.status, _http_error_message(request, exc), headers)
     except StoreError as exc:
-        log.error("storage failure: %s", exc, extra={"PATH": request.path})
+        _STORE_FAILURES.log(log, logging.ERROR, "storage failure: %s", exc, PATH=request.path)
         return json_error(503, "storage is unavailable; try again shortly")
     except Exception:
         log.exception("unhandled error", extra={"PATH": request.path})

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 from systemd.journal import JournalHandler
@@ -28,6 +30,38 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
     """The structured fields code attached with ``extra=``."""
     attrs = record.__dict__
     return {key: attrs[key] for key in attrs.keys() - _STANDARD if not key.startswith("_")}
+
+
+class Throttle:
+    """One log line per ``interval`` for a failure that repeats on every request or batch.
+
+    While the disk is full or the database is down, a line per failed request
+    floods the journal, and journald then drops lines of its own choosing. The
+    first failure is logged at once; later ones within the interval are
+    counted, and the next line logged says how many were held back. Not
+    thread-safe: each thread that logs through one keeps its own.
+    """
+
+    def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self._clock = clock
+        self._quiet_until = float("-inf")
+        self._held = 0
+
+    def log(
+        self, logger: logging.Logger, level: int, msg: str, *args: object, **fields: Any
+    ) -> None:
+        now = self._clock()
+        if now < self._quiet_until:
+            self._held += 1
+            return
+        if self._held:
+            msg += " (%d more like this in the %g s before were not logged)"
+            args = (*args, self._held, self.interval)
+            fields["SUPPRESSED"] = self._held
+        logger.log(level, msg, *args, extra=fields)
+        self._held = 0
+        self._quiet_until = now + self.interval
 
 
 class JsonLineFormatter(logging.Formatter):

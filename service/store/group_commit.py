@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from service.logs import Throttle
+
 A = TypeVar("A")
 R = TypeVar("R")
 BatchFn = Callable[[sqlite3.Connection, list[A]], Sequence[R]]
@@ -65,6 +67,8 @@ class GroupCommitWriter:
         self._start_error: BaseException | None = None
         self.batches = 0
         self.ops = 0
+        # A full disk fails every batch; used by the writer thread only.
+        self._commit_failures = Throttle()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="toko-sqlite-writer", daemon=True)
@@ -133,7 +137,7 @@ class GroupCommitWriter:
                     results.append((op, None, exc))
         except sqlite3.Error as exc:
             # The commit itself failed (disk full, I/O error): nothing is durable.
-            log.error("SQLite commit failed: %s", exc)
+            self._commit_failures.log(log, logging.ERROR, "SQLite commit failed: %s", exc)
             results = [(op, None, exc) for op in batch]
         self.batches += 1
         self.ops += len(batch)

@@ -38,6 +38,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 
+from service.logs import Throttle
 from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts, job_from_row
 from service.store.admin import JobDetails, QueueStats
 from service.store.base import StoreError
@@ -178,6 +179,8 @@ class PostgresStore:
         self._product_writes = _Lane()
         self.batches = 0
         self.ops = 0
+        # While the server is down every call hits this: a sample, not each.
+        self._lost_connections = Throttle()
 
     # lifecycle ---------------------------------------------------------------
     def _connect_kwargs(self) -> dict[str, Any]:
@@ -272,7 +275,9 @@ class PostgresStore:
             except _CONNECTION_ERRORS as exc:
                 if attempt == attempts or self._pool is None:
                     raise StoreError(f"database call failed: {exc}") from exc
-                log.warning("database connection lost, trying again: %s", exc)
+                self._lost_connections.log(
+                    log, logging.WARNING, "database connection lost, trying again: %s", exc
+                )
             except asyncpg.PostgresError as exc:
                 raise StoreError(f"database call failed: {exc}") from exc
         raise AssertionError("unreachable")

@@ -1,0 +1,109 @@
+"""A full disk: writes are refused with a 503, nothing is half-written, the log
+holds a sample of the failures rather than one line each, and writes resume
+once there is room again.
+
+The disk is a real tmpfs of a few hundred KiB, mounted for the test (root).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.conftest import ServiceFactory
+from tests.support import db
+
+pytestmark = pytest.mark.root
+
+THROTTLE_S = 10  # service.logs.Throttle's interval
+STORE_DOWN = {"error": "storage is unavailable; try again shortly"}
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.fail(
+            "mounting a small tmpfs needs root (deselect with -m 'not root')", pytrace=False
+        )
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "toko-test", mount], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", mount], check=False)
+
+
+def grow(mount: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,size=20m", mount], check=True)
+
+
+async def post(session: aiohttp.ClientSession, url: str, n: int) -> tuple[int, object]:
+    async with session.post(f"{url}/produk", json={"nama": f"Kopi {n}", "harga": n}) as resp:
+        return resp.status, await resp.json()
+
+
+def error_lines(svc_logs: list[dict[str, object]], prefix: str) -> list[dict[str, object]]:
+    return [r for r in svc_logs if str(r.get("message", "")).startswith(prefix)]
+
+
+async def test_a_full_disk_refuses_writes_cleanly_and_recovers(
+    service_factory: ServiceFactory, small_disk: Path
+) -> None:
+    database = small_disk / "toko.db"
+    svc = service_factory(database=database).start()
+    await svc.async_wait_ready(timeout=20)
+    created = 0
+    async with aiohttp.ClientSession() as session:
+        # Fill the disk: every 201 before the first 503 is a stored product.
+        for n in range(5000):
+            status, body = await post(session, svc.base_url, n)
+            if status != 201:
+                break
+            created += 1
+        else:
+            pytest.fail("400 KiB never filled up")
+        assert (status, body) == (503, STORE_DOWN)
+        assert created > 0
+
+        # A burst of writes while it stays full: each one refused alike.
+        started = time.monotonic()
+        answers = await asyncio.gather(*(post(session, svc.base_url, n) for n in range(300)))
+        elapsed = time.monotonic() - started
+        assert answers == [(503, STORE_DOWN)] * 300
+        async with session.get(f"{svc.base_url}/produk/1") as resp:
+            assert resp.status == 200, "reads go on while writes cannot"
+
+        # One line per interval, not 301: enough to see it, not a flood that
+        # makes journald drop lines of its own choosing.
+        logs = svc.logs.snapshot()
+        allowed = 1 + int(elapsed // THROTTLE_S) + 1
+        assert 1 <= len(error_lines(logs, "storage failure")) <= allowed
+        assert 1 <= len(error_lines(logs, "SQLite commit failed")) <= allowed
+
+        grow(small_disk)
+        status, body = await post(session, svc.base_url, 9999)
+        assert status == 201, body
+        created += 1
+
+    svc.terminate()
+    assert await svc.async_wait_exit(timeout=30) == 0
+    assert db.query(database, "PRAGMA integrity_check") == [{"integrity_check": "ok"}]
+    # Every stored product has exactly its one email job, and nothing else was
+    # stored: no product without its job, no job without its product.
+    assert db.product_count(database) == created
+    orphans = db.query(
+        database,
+        "SELECT p.id FROM products p WHERE (SELECT count(*) FROM jobs j"
+        " WHERE j.kind = 'product_email'"
+        " AND json_extract(j.payload, '$.product_id') = p.id) != 1",
+    )
+    assert orphans == []
+    assert len(db.jobs(database)) == created
