@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from service.errors import abandon_body, json_error
 from service.keys import METRICS, POOL, SETTINGS, STORE
@@ -19,6 +19,9 @@ log = logging.getLogger("toko.http")
 routes = web.RouteTableDef()
 
 JSON_TYPES = {"application/json"}
+# What aiohttp decodes. It passes any other coding through untouched, so a body
+# labelled x-gzip or compress would be read as plain bytes.
+BODY_CODINGS = {"gzip", "deflate", "identity", ""}
 
 
 @routes.post("/produk")
@@ -28,6 +31,13 @@ async def create_product(request: web.Request) -> web.Response:
             415,
             f"Content-Type must be application/json, got {request.content_type or 'none'} "
             "(with curl: -H 'Content-Type: application/json')",
+        )
+    coding = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
+    if coding not in BODY_CODINGS:
+        return json_error(
+            415,
+            f"Content-Encoding {coding} is not supported; send the body as is, or gzip or deflate",
+            headers={"Accept-Encoding": "gzip, deflate"},
         )
     try:
         body = await _read_body(request)

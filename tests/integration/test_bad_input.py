@@ -88,6 +88,19 @@ CASES = [
         _body({"nama": "Kopi", "harga": 1}),
         headers={"Content-Type": "text/plain"},
     ),
+    # A coding aiohttp would not decode: it would read the bytes as they are.
+    Case(
+        "content-encoding-unknown",
+        415,
+        _body({"nama": "Kopi", "harga": 1}),
+        headers={**JSON, "Content-Encoding": "compress"},
+    ),
+    Case(
+        "content-encoding-stacked",
+        415,
+        _body({"nama": "Kopi", "harga": 1}),
+        headers={**JSON, "Content-Encoding": "gzip, identity"},
+    ),
     # A body that does not decode in the Content-Encoding it declares.
     Case(
         "gzip-label-on-plain-body",

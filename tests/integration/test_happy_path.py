@@ -125,12 +125,26 @@ async def test_a_compressed_body_is_read_decoded(service_factory: ServiceFactory
     await svc.async_wait_ready(timeout=20)
     body = json.dumps({"nama": "Kopi Bubuk", "harga": 30000}).encode()
     async with aiohttp.ClientSession() as session:
-        for coding, data in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+        codings = [
+            ("gzip", gzip.compress(body)),
+            ("GZIP", gzip.compress(body)),
+            ("deflate", zlib.compress(body)),
+            ("identity", body),
+        ]
+        for coding, data in codings:
             headers = {"Content-Type": "application/json", "Content-Encoding": coding}
             async with session.post(svc.url("/produk"), data=data, headers=headers) as resp:
                 assert resp.status == 201, (coding, await resp.text())
                 assert (await resp.json())["nama"] == "Kopi Bubuk"
-    assert db.product_count(svc.database) == 2
+        # Any other coding is refused, saying which ones are read (RFC 9110, 15.5.16).
+        headers = {"Content-Type": "application/json", "Content-Encoding": "x-gzip"}
+        async with session.post(
+            svc.url("/produk"), data=gzip.compress(body), headers=headers
+        ) as resp:
+            assert resp.status == 415, await resp.text()
+            assert resp.headers["Accept-Encoding"] == "gzip, deflate"
+            assert "x-gzip is not supported" in (await resp.json())["error"]
+    assert db.product_count(svc.database) == 4
 
 
 async def test_message_id_is_stable_across_retries(
