@@ -35,6 +35,14 @@ def _http_error_message(request: web.Request, exc: web.HTTPException) -> str:
     return exc.reason
 
 
+class Refused(Exception):
+    """A request we will not serve, carrying its exact answer (json_errors returns it)."""
+
+    def __init__(self, response: web.Response) -> None:
+        super().__init__(response.status)
+        self.response = response
+
+
 def abandon_body(request: web.Request, response: web.Response) -> web.Response:
     """Answer without reading the rest of the body, and close the connection.
 
@@ -52,6 +60,8 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         return await handler(request)
     except InvalidInput as exc:
         return json_error(400, str(exc))
+    except Refused as refused:
+        return refused.response
     except web.RequestPayloadError as exc:
         # The body did not arrive as its headers describe it (a bad chunk, bytes
         # that do not decode in the declared Content-Encoding), so no more of it

@@ -7,7 +7,7 @@ import logging
 
 from aiohttp import hdrs, web
 
-from service.errors import abandon_body, json_error
+from service.errors import Refused, abandon_body, json_error
 from service.keys import METRICS, POOL, SETTINGS, STORE
 from service.models import NewJob, Product
 from service.openapi import openapi_document
@@ -26,32 +26,7 @@ BODY_CODINGS = {"gzip", "deflate", "identity", ""}
 
 @routes.post("/produk")
 async def create_product(request: web.Request) -> web.Response:
-    if request.content_type not in JSON_TYPES and not request.content_type.endswith("+json"):
-        return json_error(
-            415,
-            f"Content-Type must be application/json, got {request.content_type or 'none'} "
-            "(with curl: -H 'Content-Type: application/json')",
-        )
-    coding = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
-    if coding not in BODY_CODINGS:
-        return json_error(
-            415,
-            f"Content-Encoding {coding} is not supported; send the body as is, or gzip or deflate",
-            headers={"Accept-Encoding": "gzip, deflate"},
-        )
-    try:
-        body = await _read_body(request)
-    except TimeoutError:
-        timeout = request.app[SETTINGS].client_timeout
-        message = f"the request body did not arrive within {timeout:g} s"
-        return abandon_body(request, json_error(408, message))
-    except ConnectionResetError:
-        # The client's doing, not a fault of ours: one line, no traceback.
-        log.info("client hung up before sending the whole body", extra={"PATH": request.path})
-        return abandon_body(
-            request, json_error(400, "the connection closed before the body arrived")
-        )
-    data = parse_json_object(body)
+    data = parse_json_object(await _json_body(request))
     nama, harga = validate_new_product(data)
     max_attempts = request.app[SETTINGS].job_max_attempts
     store = request.app[STORE]
@@ -73,13 +48,43 @@ async def create_product(request: web.Request) -> web.Response:
     )
 
 
-async def _read_body(request: web.Request) -> bytes:
+async def _json_body(request: web.Request) -> bytes:
+    """The body of a JSON request, decoded from gzip or deflate; Refused otherwise."""
+    content_type = request.content_type
+    if content_type not in JSON_TYPES and not content_type.endswith("+json"):
+        raise Refused(
+            json_error(
+                415,
+                f"Content-Type must be application/json, got {content_type or 'none'} "
+                "(with curl: -H 'Content-Type: application/json')",
+            )
+        )
+    coding = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
+    if coding not in BODY_CODINGS:
+        raise Refused(
+            json_error(
+                415,
+                f"Content-Encoding {coding} is not supported; send the body as is, "
+                "or gzip or deflate",
+                headers={"Accept-Encoding": "gzip, deflate"},
+            )
+        )
     # Usually the whole body came with the headers. One still arriving gets
     # TOKO_CLIENT_TIMEOUT, so a client trickling it cannot hold a handler forever.
     if request.content.is_eof():
         return await request.read()
-    async with asyncio.timeout(request.app[SETTINGS].client_timeout):
-        return await request.read()
+    timeout = request.app[SETTINGS].client_timeout
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.read()
+    except TimeoutError:
+        message = f"the request body did not arrive within {timeout:g} s"
+        raise Refused(abandon_body(request, json_error(408, message))) from None
+    except ConnectionResetError:
+        # The client's doing, not a fault of ours: one line, no traceback.
+        log.info("client hung up before sending the whole body", extra={"PATH": request.path})
+        message = "the connection closed before the body arrived"
+        raise Refused(abandon_body(request, json_error(400, message))) from None
 
 
 @routes.get("/produk")
