@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.support import db, http
-from tests.support.service import ServiceProcess
+from tests.support.service import ServiceProcess, ready_service
 
 JSON = {"Content-Type": "application/json"}
 LIMIT = 64 * 1024
@@ -145,14 +145,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    svc = ServiceProcess(tmp_path_factory.mktemp("bad-input"))
-    try:
-        svc.start()
-        svc.wait_ready(timeout=20)
+    with ready_service(tmp_path_factory.mktemp("bad-input")) as svc:
         yield svc
-    finally:
-        svc.close()
-        print(svc.output_tail(80))
 
 
 def test_table_is_big_enough() -> None:

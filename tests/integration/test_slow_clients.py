@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.support import db, http
-from tests.support.service import ServiceProcess
+from tests.support.service import ServiceProcess, ready_service
 
 CLIENT_TIMEOUT_S = 1
 # Far above the timeout, so only a server that never closes fails the wait.
@@ -31,17 +31,9 @@ POST_HEAD = (
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    svc = ServiceProcess(
-        tmp_path_factory.mktemp("slow-clients"),
-        {"TOKO_CLIENT_TIMEOUT": str(CLIENT_TIMEOUT_S)},
-    )
-    try:
-        svc.start()
-        svc.wait_ready(timeout=20)
+    env = {"TOKO_CLIENT_TIMEOUT": str(CLIENT_TIMEOUT_S)}
+    with ready_service(tmp_path_factory.mktemp("slow-clients"), env) as svc:
         yield svc
-    finally:
-        svc.close()
-        print(svc.output_tail(80))
 
 
 @contextlib.asynccontextmanager

@@ -25,6 +25,7 @@ with the process's output, if the process exits meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -32,7 +33,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -281,3 +282,21 @@ def _log_matches(record: LogRecord, message: str | None, fields: Mapping[str, An
     if message is not None and record.get("message") != message:
         return False
     return all(str(record.get(k)) == str(v) for k, v in fields.items())
+
+
+@contextlib.contextmanager
+def ready_service(
+    workdir: Path, env: Mapping[str, str | None] | None = None
+) -> Iterator[ServiceProcess]:
+    """A started toko-api that has sent READY=1, for a module-scoped fixture.
+
+    Killed afterwards, with its output printed (pytest shows it for a failure).
+    """
+    svc = ServiceProcess(workdir, env)
+    try:
+        svc.start()
+        svc.wait_ready(timeout=20)
+        yield svc
+    finally:
+        svc.close()
+        print(svc.output_tail(80))

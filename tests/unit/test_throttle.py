@@ -17,12 +17,23 @@ class Clock:
         return self.now
 
 
+LOG = logging.getLogger("toko.test.throttle")
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def throttle(clock: Clock) -> Throttle:
+    return Throttle(10.0, clock)
+
+
 def test_first_line_at_once_then_one_per_interval_with_the_count(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, clock: Clock, throttle: Throttle
 ) -> None:
-    clock = Clock()
-    throttle = Throttle(10.0, clock)
-    log = logging.getLogger("toko.test.throttle")
+    log = LOG
     with caplog.at_level(logging.ERROR, logger=log.name):
         for _ in range(500):
             throttle.log(log, logging.ERROR, "storage failure: %s", "disk full", PATH="/produk")
@@ -44,11 +55,9 @@ def test_first_line_at_once_then_one_per_interval_with_the_count(
 
 
 def test_after_a_quiet_interval_the_next_failure_is_logged_plainly(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, clock: Clock, throttle: Throttle
 ) -> None:
-    clock = Clock()
-    throttle = Throttle(10.0, clock)
-    log = logging.getLogger("toko.test.throttle")
+    log = LOG
     with caplog.at_level(logging.WARNING, logger=log.name):
         throttle.log(log, logging.WARNING, "connection lost")
         clock.now += 60
