@@ -64,6 +64,9 @@ def test_api_service_contract() -> None:
     # Above the 10 s drain, which EXTEND_TIMEOUT_USEC may lengthen anyway.
     assert int(svc["TimeoutStopSec"][0].removesuffix("s")) > 10
     assert svc["WatchdogSec"]
+    unit = settings((UNITS / "toko-api.service").read_text(), "Unit")
+    # Leases are wall-clock time: not before the clock is set (and synced, if waited for).
+    assert {"time-set.target", "time-sync.target"} <= set(" ".join(unit["After"]).split())
     sock = settings((UNITS / "toko-api.socket").read_text(), "Socket")
     assert sock["ListenStream"] == ["127.0.0.1:8080"]
 
