@@ -87,6 +87,12 @@ class Metrics:
         self.store_up = Gauge(
             "toko_store_up", "1 if the store answered the last scrape's queue query.", registry=r
         )
+        self.store_writable = Gauge(
+            "toko_store_writable",
+            "0 while the store's latest write (or write probe) failed: a full disk, a read-only"
+            " database.",
+            registry=r,
+        )
         self.workers_alive = Gauge("toko_workers_alive", "Worker tasks alive.", registry=r)
         self.workers_configured = Gauge(
             "toko_workers_configured", "Worker tasks configured (TOKO_WORKERS).", registry=r
@@ -124,6 +130,9 @@ class Metrics:
         if counts is not None:
             for state in JOB_STATES:
                 self.queue_jobs.labels(state).set(getattr(counts, state))
+
+    def set_writable(self, writable: bool) -> None:
+        self.store_writable.set(1 if writable else 0)
 
     def set_workers(self, alive: int, configured: int) -> None:
         self.workers_alive.set(alive)

@@ -11,7 +11,7 @@ from service.errors import Refused, abandon_body, json_error
 from service.keys import METRICS, POOL, SETTINGS, STORE
 from service.models import NewJob, Product
 from service.openapi import openapi_document
-from service.store.base import StoreError
+from service.store.base import StoreError, write_error
 from service.tasks import PRODUCT_EMAIL, product_email_job
 from service.validation import ID_MAX, page_params, parse_json_object, validate_new_product
 
@@ -110,14 +110,20 @@ async def get_product(request: web.Request) -> web.Response:
 @routes.get("/healthz")
 async def healthz(request: web.Request) -> web.Response:
     pool = request.app[POOL]
+    store = request.app[STORE]
     workers = {"alive": pool.alive, "configured": pool.configured}
     try:
-        counts = await request.app[STORE].counts()
+        counts = await store.counts()
     except StoreError as exc:
         log.error("health check: store failed: %s", exc)
         body = {"status": "unhealthy", "error": "storage is unavailable", "workers": workers}
         return web.json_response(body, status=503)
     body = {"status": "ok", "queue": counts.to_json(), "workers": workers}
+    cannot_write = await write_error(store)
+    if cannot_write is not None:
+        body["status"] = "unhealthy"
+        body["error"] = f"storage cannot write: {cannot_write}"
+        return web.json_response(body, status=503)
     if not pool.healthy():
         body["status"] = "unhealthy"
         body["error"] = f"worker pool is not running ({pool.alive}/{pool.configured} workers alive)"
@@ -129,14 +135,16 @@ async def healthz(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     app_metrics = request.app[METRICS]
     pool = request.app[POOL]
+    store = request.app[STORE]
     try:
-        counts = await request.app[STORE].counts()
+        counts = await store.counts()
     except StoreError as exc:
         # Still answer: toko_store_up 0 is what the alert should fire on.
         log.error("metrics: store failed: %s", exc)
         app_metrics.set_queue(None)
     else:
         app_metrics.set_queue(counts)
+    app_metrics.set_writable(await write_error(store) is None)
     app_metrics.set_workers(pool.alive, pool.configured)
     return app_metrics.render()
 

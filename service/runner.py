@@ -26,6 +26,7 @@ from service.listener import (
     stop_accepting,
 )
 from service.settings import Settings
+from service.store import write_error
 from service.systemd import Notifier
 from service.workers import WorkerPool
 
@@ -118,10 +119,13 @@ async def _wait_for_stop(stop: asyncio.Event, supervised: list[asyncio.Task[None
 async def _status_line(app: web.Application) -> str:
     pool = app[POOL]
     counts = await app[STORE].counts()
-    return (
+    line = (
         f"pending={counts.pending} running={counts.running} failed={counts.failed} "
         f"workers={pool.alive}/{pool.configured}"
     )
+    # Also the one prober that runs when nobody asks /healthz.
+    cannot_write = await write_error(app[STORE])
+    return line if cannot_write is None else f"{line}; cannot write: {cannot_write}"
 
 
 async def _status_loop(app: web.Application, notifier: Notifier) -> None:

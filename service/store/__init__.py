@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from service.settings import Settings
-from service.store.base import Store, StoreError
+from service.store.base import Store, StoreError, write_error
 
-__all__ = ["Store", "StoreError", "open_store"]
+__all__ = ["Store", "StoreError", "open_store", "write_error"]
 
 
 def open_store(settings: Settings, *, application_name: str = "toko-api") -> Store:

@@ -16,6 +16,33 @@ class StoreError(RuntimeError):
     """The store failed (disk, lock, corruption): our fault, never the client's."""
 
 
+class WriteHealth:
+    """Whether the store's latest write failed, and why.
+
+    A full disk or a database gone read-only (a failover to a standby) fails
+    every write while reads go on: /healthz must say so, and must notice when
+    the writes work again even if nobody writes meanwhile (a load balancer
+    that took toko out would send none), hence the probe.
+    """
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+
+    def wrote(self) -> None:
+        self.error = None
+
+    def failed(self, exc: BaseException) -> None:
+        self.error = str(exc)
+
+
+async def write_error(store: Store) -> str | None:
+    """Why the store cannot write, probing first if its latest write failed."""
+    if store.write_error is not None:
+        # Nobody else may be writing (a balancer may have taken toko out): try.
+        await store.probe_write()
+    return store.write_error
+
+
 class Store(Protocol):
     async def open(self) -> None:
         """Connect and apply pending schema migrations."""
@@ -77,6 +104,13 @@ class Store(Protocol):
 
     async def ping(self) -> None:
         """Raise StoreError unless the store answers."""
+
+    @property
+    def write_error(self) -> str | None:
+        """Why the latest write failed; None once a write (or probe) succeeded."""
+
+    async def probe_write(self) -> None:
+        """Make the smallest durable write there is; updates ``write_error``, never raises."""
 
     # recaps ---------------------------------------------------------------
     async def record_recap(

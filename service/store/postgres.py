@@ -41,7 +41,7 @@ import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 from service.logs import Throttle
 from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts, job_from_row
 from service.store.admin import JobDetails, QueueStats
-from service.store.base import StoreError
+from service.store.base import StoreError, WriteHealth
 from service.store.pg_migrations import JOBS_CHANNEL, RECAP_LOCK_CLASS, SchemaTooNew, migrate
 
 T = TypeVar("T")
@@ -181,6 +181,7 @@ class PostgresStore:
         self.ops = 0
         # While the server is down every call hits this: a sample, not each.
         self._lost_connections = Throttle()
+        self._write_health = WriteHealth()
 
     # lifecycle ---------------------------------------------------------------
     def _connect_kwargs(self) -> dict[str, Any]:
@@ -255,6 +256,7 @@ class PostgresStore:
         *,
         retry: bool = False,
         lane: _Lane | None = None,
+        write: bool = False,
     ) -> T:
         """Run ``fn`` on a pooled connection; database failures become StoreError.
 
@@ -262,7 +264,25 @@ class PostgresStore:
         a connection that died under it (server restart, failover, an admin's
         pg_terminate_backend; the pool may hold several dead ones) is replaced
         and the call made again, instead of failing an ack or a health check.
+        ``write``: the call writes, and its outcome is what /healthz reports.
         """
+        if not write:
+            return await self._run_db(fn, retry=retry, lane=lane)
+        try:
+            result = await self._run_db(fn, retry=retry, lane=lane)
+        except StoreError as exc:
+            self._write_health.failed(exc.__cause__ or exc)
+            raise
+        self._write_health.wrote()
+        return result
+
+    async def _run_db(
+        self,
+        fn: Callable[[asyncpg.Connection], Awaitable[T]],
+        *,
+        retry: bool,
+        lane: _Lane | None,
+    ) -> T:
         if self._pool is None:
             raise StoreError("the store is closed")
         attempts = self._pool_size + 1 if retry else 1
@@ -283,19 +303,40 @@ class PostgresStore:
         raise AssertionError("unreachable")
 
     async def _fetch(
-        self, sql: str, *args: Any, retry: bool = False, lane: _Lane | None = None
+        self,
+        sql: str,
+        *args: Any,
+        retry: bool = False,
+        lane: _Lane | None = None,
+        write: bool = False,
     ) -> list[asyncpg.Record]:
-        return await self._db(lambda conn: conn.fetch(sql, *args), retry=retry, lane=lane)
+        return await self._db(
+            lambda conn: conn.fetch(sql, *args), retry=retry, lane=lane, write=write
+        )
 
     async def _fetchrow(
-        self, sql: str, *args: Any, retry: bool = False, lane: _Lane | None = None
+        self,
+        sql: str,
+        *args: Any,
+        retry: bool = False,
+        lane: _Lane | None = None,
+        write: bool = False,
     ) -> asyncpg.Record | None:
-        return await self._db(lambda conn: conn.fetchrow(sql, *args), retry=retry, lane=lane)
+        return await self._db(
+            lambda conn: conn.fetchrow(sql, *args), retry=retry, lane=lane, write=write
+        )
 
     async def _execute(
-        self, sql: str, *args: Any, retry: bool = False, lane: _Lane | None = None
+        self,
+        sql: str,
+        *args: Any,
+        retry: bool = False,
+        lane: _Lane | None = None,
+        write: bool = False,
     ) -> str:
-        return await self._db(lambda conn: conn.execute(sql, *args), retry=retry, lane=lane)
+        return await self._db(
+            lambda conn: conn.execute(sql, *args), retry=retry, lane=lane, write=write
+        )
 
     # products ------------------------------------------------------------------
     async def create_product(
@@ -355,6 +396,7 @@ class PostgresStore:
             "SELECT nextval('products_id_seq'), nextval('jobs_id_seq') FROM generate_series(1, $1)",
             len(batch),
             retry=True,
+            write=True,
             lane=self._product_writes,
         )
         rows: list[tuple[_ProductWrite, Product, int, NewJob, str]] = []
@@ -395,6 +437,7 @@ class PostgresStore:
             [r[4] for r in rows],
             [r[3].max_attempts for r in rows],
             [r[3].leased_for for r in rows],
+            write=True,
             lane=self._product_writes,
         )
         self.batches += 1
@@ -446,6 +489,7 @@ class PostgresStore:
             "running" if leased else "pending",
             1 if leased else 0,
             now + job.leased_for if job.leased_for is not None else None,
+            write=True,
             lane=self._enqueues,
         )
         assert row is not None
@@ -475,6 +519,7 @@ class PostgresStore:
             now,
             now + lease_seconds,
             limit,
+            write=True,
             lane=self._claims,
         )
         return sorted((job_from_row(row) for row in rows), key=lambda job: job.id)
@@ -487,6 +532,7 @@ class PostgresStore:
                 list(job_ids),
                 self._clock(),
                 retry=True,
+                write=True,
                 lane=self._acks,
             )
 
@@ -511,6 +557,7 @@ class PostgresStore:
             run_at,
             self._clock(),
             retry=True,
+            write=True,
         )
 
     async def release(self, job_ids: Sequence[int]) -> None:
@@ -530,6 +577,7 @@ class PostgresStore:
             list(job_ids),
             self._clock(),
             retry=True,
+            write=True,
         )
 
     async def recover_abandoned(self) -> int:
@@ -561,6 +609,17 @@ class PostgresStore:
 
     async def ping(self) -> None:
         await self._fetchrow("SELECT 1", retry=True)
+
+    @property
+    def write_error(self) -> str | None:
+        return self._write_health.error
+
+    async def probe_write(self) -> None:
+        # The smallest durable write every toko database can take: the schema
+        # row with its own version in it. A standby or a read-only database
+        # refuses it like any other write.
+        with contextlib.suppress(StoreError):
+            await self._execute("UPDATE toko_schema SET version = version", retry=True, write=True)
 
     # wake-ups ----------------------------------------------------------------------
     def add_wakeup_listener(self, callback: Callable[[], None]) -> None:
@@ -635,7 +694,7 @@ class PostgresStore:
                 )
                 return job_id
 
-        return await self._db(run)
+        return await self._db(run, write=True)
 
     # queue administration (QueueAdmin: toko-queue, retention) -----------------------
     async def queue_stats(self) -> QueueStats:
@@ -686,6 +745,7 @@ class PostgresStore:
             """,
             None if job_ids is None else list(job_ids),
             self._clock(),
+            write=True,
         )
         return [int(row[0]) for row in rows]
 
@@ -709,6 +769,7 @@ class PostgresStore:
                 """,
                 older_than,
                 chunk,
+                write=True,
             )
             deleted = int(row[0]) if row else 0
             total += deleted

@@ -17,7 +17,9 @@ Usage from other code (toko-recap, toko-backup, tests)::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -28,7 +30,7 @@ from typing import Any, TypeVar
 
 from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts, job_from_row
 from service.store.admin import JobDetails, QueueStats
-from service.store.base import StoreError
+from service.store.base import StoreError, WriteHealth
 from service.store.group_commit import BatchFn, GroupCommitWriter
 from service.store.migrations import migrate
 
@@ -40,6 +42,9 @@ _DETAIL_COLUMNS = f"{_JOB_COLUMNS}, created_at, updated_at, lease_until"
 
 
 BUSY_TIMEOUT_SECONDS = 10.0
+# After a failed write, the health probe wants this much room on the
+# database's filesystem before it calls the store writable again.
+PROBE_MIN_FREE = 1 << 20
 
 
 def connect(path: str, *, read_only: bool = False) -> sqlite3.Connection:
@@ -96,6 +101,7 @@ class SqliteStore:
         self._reader_local = threading.local()
         self._reader_conns: list[sqlite3.Connection] = []
         self._reader_lock = threading.Lock()
+        self._write_health = WriteHealth()
 
     # lifecycle ---------------------------------------------------------------
     async def open(self) -> None:
@@ -133,11 +139,15 @@ class SqliteStore:
     # plumbing ------------------------------------------------------------------
     async def _write(self, fn: BatchFn[A, T], arg: A) -> T:
         try:
-            return await self._writer.run(fn, arg)
+            result = await self._writer.run(fn, arg)
         except sqlite3.Error as exc:
+            self._write_health.failed(exc)
             raise StoreError(f"database write failed: {exc}") from exc
         except RuntimeError as exc:
+            self._write_health.failed(exc)
             raise StoreError(str(exc)) from exc
+        self._write_health.wrote()
+        return result
 
     async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         if self._readers is None:
@@ -261,6 +271,23 @@ class SqliteStore:
 
     async def ping(self) -> None:
         await self._read(lambda conn: conn.execute("SELECT 1").fetchone())
+
+    @property
+    def write_error(self) -> str | None:
+        return self._write_health.error
+
+    async def probe_write(self) -> None:
+        # A one-page write can still fit where a batch of products does not
+        # (SQLite reuses its WAL file's space), so a nearly full disk counts
+        # as full until it has room to spare again.
+        free = await asyncio.to_thread(_free_bytes, self.path)
+        if free < PROBE_MIN_FREE:
+            self._write_health.failed(
+                OSError(f"database or disk is full ({free // 1024} KiB free beside the database)")
+            )
+            return
+        with contextlib.suppress(StoreError):
+            await self._write(_rewrite_schema_version, None)
 
     # recaps ------------------------------------------------------------------------
     async def record_recap(
@@ -465,6 +492,19 @@ def _release(conn: sqlite3.Connection, items: list[tuple[list[int], float]]) -> 
         """,
         [(now, job_id) for ids, now in items for job_id in ids],
     )
+    return [None] * len(items)
+
+
+def _free_bytes(path: str) -> int:
+    stat = os.statvfs(Path(path).parent)
+    return stat.f_bavail * stat.f_frsize
+
+
+def _rewrite_schema_version(conn: sqlite3.Connection, items: list[None]) -> list[None]:
+    # The smallest durable write every toko database can take: the header
+    # page with its own version in it, one WAL frame and one fsync.
+    (version,) = conn.execute("PRAGMA user_version").fetchone()
+    conn.execute(f"PRAGMA user_version = {int(version)}")
     return [None] * len(items)
 
 

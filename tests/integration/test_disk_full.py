@@ -1,6 +1,6 @@
 """A full disk: writes are refused with a 503, nothing is half-written, the log
-holds a sample of the failures rather than one line each, and writes resume
-once there is room again.
+holds a sample of the failures rather than one line each, /healthz says the
+store cannot write, and writes resume once there is room again.
 
 The disk is a real tmpfs of a few hundred KiB, mounted for the test (root).
 """
@@ -18,7 +18,9 @@ import aiohttp
 import pytest
 
 from tests.conftest import ServiceFactory
+from tests.operability.scrape import scrape
 from tests.support import db
+from tests.support.api import healthz
 
 pytestmark = pytest.mark.root
 
@@ -88,7 +90,19 @@ async def test_a_full_disk_refuses_writes_cleanly_and_recovers(
         assert 1 <= len(error_lines(logs, "storage failure")) <= allowed
         assert 1 <= len(error_lines(logs, "SQLite commit failed")) <= allowed
 
+        # Monitoring sees it: the store answers reads but cannot write.
+        status, health = await healthz(session, svc.base_url)
+        assert status == 503
+        assert health["error"].startswith("storage cannot write: database or disk is full"), health
+        assert {"pending", "running", "failed"} <= set(health["queue"]), "reads still answer"
+        assert (await scrape(session, svc.base_url)).value("toko_store_writable") == 0
+
         grow(small_disk)
+        # Nobody writes in between (a balancer would have taken toko out):
+        # /healthz's own probe finds that writes work again.
+        status, health = await healthz(session, svc.base_url)
+        assert (status, health["status"]) == (200, "ok"), health
+        assert (await scrape(session, svc.base_url)).value("toko_store_writable") == 1
         status, body = await post(session, svc.base_url, 9999)
         assert status == 201, body
         created += 1
