@@ -31,7 +31,11 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InvalidInput(f"body is not valid UTF-8 (byte {exc.start})") from None
+        # Named because clients do send charset=latin-1 and expect it to count.
+        raise InvalidInput(
+            f"body is not valid UTF-8 (byte {exc.start}); JSON is always UTF-8 (RFC 8259), "
+            "whatever the Content-Type's charset says"
+        ) from None
     if not text.strip():
         raise InvalidInput("body is empty; send a JSON object")
     if text.startswith("\ufeff"):

@@ -114,6 +114,13 @@ CASES = [
         _body({"nama": "Kopi", "harga": 1}),
         headers={**JSON, "Content-Encoding": "deflate"},
     ),
+    # JSON is UTF-8 whatever the charset says (RFC 8259 §8.1, §11).
+    Case(
+        "latin-1-charset",
+        400,
+        '{"nama": "Kopi Caf\u00e9", "harga": 1}'.encode("latin-1"),
+        headers={"Content-Type": "application/json; charset=latin-1"},
+    ),
     Case("no-content-type", 415, _body({"nama": "Kopi", "harga": 1}), headers={}),
     Case(
         "form-urlencoded",
