@@ -8,7 +8,8 @@ written already leased and handed over directly (``reserve``/``dispatch``);
 done in batches. A committed job wakes the claimer at once (``notify``); a
 slow sweep catches jobs enqueued by other processes and retries falling due.
 Prefetch stays at one job per worker so a queued job never waits longer than
-one attempt's timeout, which the lease outlasts.
+one attempt's timeout, which the lease outlasts. The claimer never takes back
+a job the pool still holds, whatever the wall clock did to its lease.
 
 An exception in a job fails that attempt only. A worker task that dies anyway
 is logged and replaced, up to a budget: a pool that keeps dying is reported
@@ -101,6 +102,9 @@ class WorkerPool:
         self._acker: asyncio.Task[None] | None = None
         self._acks: list[int] = []
         self._late: list[int] = []  # leased jobs dispatched after stop() began
+        # Leased to us and not yet acked, retried or failed in the store: never
+        # claimed again by us, even if a clock step makes their leases look expired.
+        self._held: set[int] = set()
         self._ack_wakeup = asyncio.Event()
         self._busy = 0
         self._reserved = 0  # slots promised to jobs being enqueued here (reserve())
@@ -185,6 +189,7 @@ class WorkerPool:
             # Too late to run: put it back for the next start, like an unstarted claim.
             self._late.append(job.id)
         else:
+            self._held.add(job.id)
             self._handoff.put_nowait(job)
 
     async def start(self) -> None:
@@ -249,6 +254,7 @@ class WorkerPool:
             await self._store.release(job_ids)
         except StoreError as exc:
             log.error("could not release unstarted jobs: %s", exc, extra={"JOBS": len(job_ids)})
+        self._held.difference_update(job_ids)
 
     # claimer ---------------------------------------------------------------------
     async def _stop_claimer(self) -> None:
@@ -281,10 +287,11 @@ class WorkerPool:
             try:
                 self._claiming = free
                 try:
-                    jobs = await self._store.claim(free, self._config.lease_seconds)
+                    jobs = await self._store.claim(free, self._config.lease_seconds, self._held)
                 finally:
                     self._claiming = 0
                 for job in jobs:
+                    self._held.add(job.id)
                     self._handoff.put_nowait(job)
                 if len(jobs) == free:
                     continue
@@ -393,6 +400,8 @@ class WorkerPool:
             # Those jobs ran but are not marked done: they run again later
             # (delivery is at-least-once; the Message-ID tells duplicates apart).
             log.error("could not mark jobs done: %s", exc, extra={"JOBS": len(ids)})
+        finally:
+            self._held.difference_update(ids)
 
     async def _record_failure(
         self, job: Job, error: str, fields: dict[str, object]
@@ -412,6 +421,9 @@ class WorkerPool:
         except StoreError as exc:
             log.error("could not record job failure: %s", exc, extra=fields)
             return None
+        finally:
+            # Stored as pending or failed, or left to its lease: ours no more.
+            self._held.discard(job.id)
         self.retried += 1
         log.warning("job failed, will retry", extra={**fields, "RETRY_IN_S": round(delay, 3)})
         self.notify()  # the claimer recomputes when the next job falls due

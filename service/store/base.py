@@ -6,7 +6,7 @@ methods. Every method is a coroutine and never blocks the event loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from service.models import Job, NewJob, Product, QueueCounts
@@ -65,8 +65,16 @@ class Store(Protocol):
     # queue ----------------------------------------------------------------
     async def enqueue(self, job: NewJob) -> int: ...
 
-    async def claim(self, limit: int, lease_seconds: float) -> list[Job]:
-        """Lease up to ``limit`` due jobs (pending and due, or running with an expired lease)."""
+    async def claim(
+        self, limit: int, lease_seconds: float, held: Collection[int] = ()
+    ) -> list[Job]:
+        """Lease up to ``limit`` due jobs (pending and due, or running with an expired lease).
+
+        Never one in ``held``: the jobs the claiming process still runs or has
+        yet to ack. Their leases can look expired to it after its wall clock
+        steps forward (NTP correcting a board without a battery-backed clock),
+        and taking them again would run them twice at once.
+        """
 
     async def complete(self, job_ids: Sequence[int]) -> None:
         """Mark jobs done (acks are batched: one write for many jobs)."""

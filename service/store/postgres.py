@@ -31,7 +31,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -495,7 +495,9 @@ class PostgresStore:
         assert row is not None
         return int(row[0])
 
-    async def claim(self, limit: int, lease_seconds: float) -> list[Job]:
+    async def claim(
+        self, limit: int, lease_seconds: float, held: Collection[int] = ()
+    ) -> list[Job]:
         now = self._clock()
         # FOR UPDATE cannot sit under a UNION, hence one CTE per source. Each
         # stops after ``limit`` rows of its partial index; SKIP LOCKED lets
@@ -507,6 +509,7 @@ class PostgresStore:
                  ORDER BY run_at, id LIMIT $3 FOR UPDATE SKIP LOCKED
             ), expired AS (
                 SELECT id FROM jobs WHERE state = 'running' AND lease_until < $1
+                   AND NOT (id = ANY($4::bigint[]))
                  LIMIT $3 FOR UPDATE SKIP LOCKED
             ), picked AS (
                 SELECT id FROM due UNION ALL SELECT id FROM expired LIMIT $3
@@ -519,6 +522,7 @@ class PostgresStore:
             now,
             now + lease_seconds,
             limit,
+            list(held),
             write=True,
             lane=self._claims,
         )

@@ -23,7 +23,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -211,9 +211,11 @@ class SqliteStore:
     async def enqueue(self, job: NewJob) -> int:
         return await self._write(_insert_jobs, (job, self._clock()))
 
-    async def claim(self, limit: int, lease_seconds: float) -> list[Job]:
+    async def claim(
+        self, limit: int, lease_seconds: float, held: Collection[int] = ()
+    ) -> list[Job]:
         now = self._clock()
-        return await self._write(_claim, (limit, now, now + lease_seconds))
+        return await self._write(_claim, (limit, now, now + lease_seconds, json.dumps(list(held))))
 
     async def complete(self, job_ids: Sequence[int]) -> None:
         if job_ids:
@@ -426,9 +428,9 @@ def _job_insert_row(job: NewJob, now: float) -> tuple[Any, ...]:
     return (job.kind, payload, job.max_attempts, now, now, now, "running", 1, lease)
 
 
-def _claim(conn: sqlite3.Connection, items: list[tuple[int, float, float]]) -> list[list[Job]]:
+def _claim(conn: sqlite3.Connection, items: list[tuple[int, float, float, str]]) -> list[list[Job]]:
     claimed = []
-    for limit, now, lease in items:
+    for limit, now, lease, held in items:
         rows = conn.execute(
             f"""
             UPDATE jobs
@@ -443,11 +445,12 @@ def _claim(conn: sqlite3.Connection, items: list[tuple[int, float, float]]) -> l
                    UNION ALL
                    SELECT id FROM (
                        SELECT id FROM jobs WHERE state = 'running' AND lease_until < :now
+                          AND id NOT IN (SELECT value FROM json_each(:held))
                         LIMIT :limit)
                    LIMIT :limit)
             RETURNING {_JOB_COLUMNS}
             """,
-            {"now": now, "lease": lease, "limit": limit},
+            {"now": now, "lease": lease, "limit": limit, "held": held},
         ).fetchall()
         claimed.append(sorted((job_from_row(row) for row in rows), key=lambda job: job.id))
     return claimed

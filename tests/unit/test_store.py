@@ -132,6 +132,17 @@ async def test_expired_lease_is_claimed_again(store: Store, clock: FakeClock) ->
     assert again.id == job.id and again.attempts == 2
 
 
+async def test_a_held_job_is_not_claimed_again_after_a_clock_step(
+    store: Store, clock: FakeClock
+) -> None:
+    await store.enqueue(NewJob("k", {}, 3))
+    (job,) = await store.claim(1, lease_seconds=60)
+    clock.now += 3600  # NTP steps the wall clock: the lease looks expired
+    assert await store.claim(5, 60, held={job.id}) == []  # its holder never retakes it
+    (again,) = await store.claim(5, 60, held={job.id + 1})  # anyone else may
+    assert (again.id, again.attempts) == (job.id, 2)
+
+
 async def test_a_job_enqueued_leased_is_already_claimed(store: Store, clock: FakeClock) -> None:
     # Both ways in: a lone enqueue and a product's job, as POST /produk writes it.
     lone = await store.enqueue(NewJob("k", {}, 3, leased_for=60))

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 
 import pytest
 
@@ -12,7 +12,7 @@ from service.models import Job, NewJob, leased_job
 from service.store.base import Store
 from service.tasks import JobContext
 from service.workers import PoolConfig, WorkerPool, backoff_delay
-from tests.unit.conftest import Backend
+from tests.unit.conftest import Backend, FakeClock
 
 
 class NoMail:
@@ -79,8 +79,10 @@ async def start_parked(pool: WorkerPool, store: Store, monkeypatch: pytest.Monke
     claimed = asyncio.Event()
     real_claim = store.claim
 
-    async def signalling_claim(limit: int, lease_seconds: float) -> list[Job]:
-        jobs = await real_claim(limit, lease_seconds)
+    async def signalling_claim(
+        limit: int, lease_seconds: float, held: Collection[int] = ()
+    ) -> list[Job]:
+        jobs = await real_claim(limit, lease_seconds, held)
         claimed.set()
         return jobs
 
@@ -112,8 +114,10 @@ async def test_a_reserved_job_runs_without_a_claim(
     claimed: list[int] = []
     real_claim = store.claim
 
-    async def recording_claim(limit: int, lease_seconds: float) -> list[Job]:
-        jobs = await real_claim(limit, lease_seconds)
+    async def recording_claim(
+        limit: int, lease_seconds: float, held: Collection[int] = ()
+    ) -> list[Job]:
+        jobs = await real_claim(limit, lease_seconds, held)
         claimed.extend(job.id for job in jobs)
         return jobs
 
@@ -129,6 +133,51 @@ async def test_a_reserved_job_runs_without_a_claim(
         await ran.wait()
     assert (await wait_state(store, job_id, "done")).attempts == 1
     assert claimed == []  # it never went through a claim
+
+
+async def test_a_clock_step_does_not_make_the_pool_retake_its_running_job(
+    store: Store,
+    clock: FakeClock,
+    make_pool: Callable[..., WorkerPool],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(workers, "SWEEP_SECONDS", 60.0)
+    attempts: list[int] = []
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def handler(job: Job, ctx: JobContext) -> None:
+        attempts.append(job.attempts)
+        started.set()
+        await release.wait()
+
+    pool = make_pool(handler)
+    await start_parked(pool, store, monkeypatch)
+    job_id = await store.enqueue(NewJob("k", {}, 3))
+    pool.notify()
+    await started.wait()
+
+    # NTP steps the wall clock an hour ahead: the running job's lease looks
+    # expired, and the claimer is woken (a new job, or its sweep).
+    clock.now += 3600
+    claimed = asyncio.Event()
+    real_claim = store.claim
+    retaken: list[int] = []
+
+    async def recording_claim(
+        limit: int, lease_seconds: float, held: Collection[int] = ()
+    ) -> list[Job]:
+        jobs = await real_claim(limit, lease_seconds, held)
+        retaken.extend(job.id for job in jobs)
+        claimed.set()
+        return jobs
+
+    monkeypatch.setattr(store, "claim", recording_claim)
+    pool.notify()
+    await claimed.wait()
+    assert retaken == []
+    release.set()
+    assert (await wait_state(store, job_id, "done")).attempts == 1
+    assert attempts == [1]
 
 
 async def test_without_a_free_slot_the_job_waits_pending_for_the_claimer(
@@ -164,10 +213,10 @@ async def test_a_claim_in_flight_holds_its_slots_against_reservations(
     finish_claim = asyncio.Event()
     real_claim = store.claim
 
-    async def slow_claim(limit: int, lease_seconds: float) -> list[Job]:
+    async def slow_claim(limit: int, lease_seconds: float, held: Collection[int] = ()) -> list[Job]:
         in_claim.set()
         await finish_claim.wait()
-        return await real_claim(limit, lease_seconds)
+        return await real_claim(limit, lease_seconds, held)
 
     monkeypatch.setattr(store, "claim", slow_claim)
     pool = make_pool(handler, workers=1)
@@ -361,8 +410,10 @@ class PausedClaims:
     def __getattr__(self, name: str) -> object:
         return getattr(self._store, name)
 
-    async def claim(self, limit: int, lease_seconds: float) -> list[Job]:
-        write = asyncio.ensure_future(self._store.claim(limit, lease_seconds))
+    async def claim(
+        self, limit: int, lease_seconds: float, held: Collection[int] = ()
+    ) -> list[Job]:
+        write = asyncio.ensure_future(self._store.claim(limit, lease_seconds, held))
         self.claiming.set()
         await self.gate.wait()
         return await write
