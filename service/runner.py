@@ -59,6 +59,7 @@ async def serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, _ignore_hangup)
     started = time.monotonic()
     open_files = raise_open_files_limit()
     logging.getLogger("aiohttp.server").addFilter(ClientProtocolErrors())
@@ -114,6 +115,15 @@ async def _wait_for_stop(stop: asyncio.Event, supervised: list[asyncio.Task[None
     reason = "cancelled" if task.cancelled() else repr(task.exception())
     log.critical("side task died; stopping", extra={"TASK": task.get_name(), "REASON": reason})
     raise SideTaskDied(f"{task.get_name()} died: {reason}")
+
+
+def _ignore_hangup() -> None:
+    # SIGHUP's default would end the process without a drain, and systemd
+    # counts a death by SIGHUP as a clean exit, so Restart=on-failure would
+    # leave the API down. Nothing is re-read while running: say so instead.
+    log.warning(
+        "SIGHUP ignored: settings are read only at start; restart toko-api to apply changes"
+    )
 
 
 async def _status_line(app: web.Application) -> str:

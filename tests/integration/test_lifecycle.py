@@ -133,6 +133,22 @@ async def test_sigint_stops_cleanly(service_factory: ServiceFactory) -> None:
     assert svc.stderr.snapshot() == [], "a clean stop prints nothing on stderr (no traceback)"
 
 
+async def test_sighup_is_logged_and_ignored(service_factory: ServiceFactory) -> None:
+    # Its default action would end the process undrained, and systemd would
+    # count that as a clean exit: Restart=on-failure would not bring it back.
+    svc = service_factory().start()
+    await svc.async_wait_ready(timeout=20)
+    svc.send_signal(signal.SIGHUP)
+    await svc.async_wait_log(
+        "SIGHUP ignored: settings are read only at start; restart toko-api to apply changes",
+        timeout=10,
+    )
+    async with aiohttp.ClientSession() as session:
+        await create_product(session, svc.base_url, "after SIGHUP", 1)
+    svc.terminate()
+    assert await svc.async_wait_exit(timeout=15) == 0
+
+
 async def test_drain_timeout_leaves_the_job_for_the_next_start(
     service_factory: ServiceFactory, smtp: SmtpServer
 ) -> None:
