@@ -266,6 +266,20 @@ def test_watchdog_restarts_a_stopped_process(toko: Deployment) -> None:
     assert any("Watchdog timeout" in m for m in messages)
 
 
+def test_sighup_leaves_the_service_running(toko: Deployment) -> None:
+    # Dying of SIGHUP would be a clean exit to systemd: no restart would follow.
+    pid = toko.main_pid()
+    toko.machine.sh("systemctl kill --signal=SIGHUP toko-api.service")
+    wait_until(
+        lambda: any(m.startswith("SIGHUP ignored") for m in toko.messages("toko-api")) or None,
+        30,
+        "the SIGHUP line in the journal",
+    )
+    assert toko.show("toko-api.service", "ActiveState") == "active"
+    assert toko.main_pid() == pid
+    assert toko.post_product("Setelah SIGHUP")["id"] > 0
+
+
 def test_restart_under_load_refuses_nothing(toko: Deployment) -> None:
     created: list[tuple[float, int]] = []  # (when the request was sent, product id)
     errors: list[tuple[str, BaseException]] = []  # (product name, what the client got)
