@@ -13,7 +13,13 @@ from service.models import NewJob, Product
 from service.openapi import openapi_document
 from service.store.base import StoreError, write_error
 from service.tasks import PRODUCT_EMAIL, product_email_job
-from service.validation import ID_MAX, page_params, parse_json_object, validate_new_product
+from service.validation import (
+    ID_MAX,
+    idempotency_key,
+    page_params,
+    parse_json_object,
+    validate_new_product,
+)
 
 log = logging.getLogger("toko.http")
 routes = web.RouteTableDef()
@@ -22,30 +28,43 @@ JSON_TYPES = {"application/json"}
 # What aiohttp decodes. It passes any other coding through untouched, so a body
 # labelled x-gzip or compress would be read as plain bytes.
 BODY_CODINGS = {"gzip", "deflate", "identity", ""}
+# A client that repeats a POST with the same key gets the first answer again
+# (draft-ietf-httpapi-idempotency-key-header); the replay is marked as such.
+IDEMPOTENCY_KEY = "Idempotency-Key"
+REPLAYED = "Idempotent-Replayed"
 
 
 @routes.post("/produk")
 async def create_product(request: web.Request) -> web.Response:
+    key = idempotency_key(request.headers.get(IDEMPOTENCY_KEY))
     data = parse_json_object(await _json_body(request))
     nama, harga = validate_new_product(data)
     max_attempts = request.app[SETTINGS].job_max_attempts
     store = request.app[STORE]
 
-    async def write(leased_for: float | None) -> tuple[Product, int, NewJob]:
+    async def write(leased_for: float | None) -> tuple[Product, int | None, NewJob | None]:
         def make_job(product: Product) -> NewJob:
             return product_email_job(product, max_attempts, leased_for)
 
-        product, job_id = await store.create_product(nama, harga, make_job)
-        return product, job_id, make_job(product)
+        product, job_id = await store.create_product(nama, harga, make_job, key)
+        return product, job_id, None if job_id is None else make_job(product)
 
     # With a worker slot free, the job is written already claimed and handed
     # straight to the pool; otherwise it waits pending for the claimer.
     product, job_id = await request.app[POOL].enqueue_here(write)
-    request.app[METRICS].job_enqueued(PRODUCT_EMAIL)
-    log.debug("product created", extra={"PRODUCT_ID": product.id, "JOB_ID": job_id})
-    return web.json_response(
-        product.to_json(), status=201, headers={"Location": f"/produk/{product.id}"}
-    )
+    headers = {"Location": f"/produk/{product.id}"}
+    if job_id is None:  # the key's product, stored by an earlier request
+        if (product.nama, product.harga) != (nama, harga):
+            message = (
+                f"Idempotency-Key {key} was already used for another product (id {product.id})"
+            )
+            return json_error(422, message)
+        log.info("repeated request answered", extra={"PRODUCT_ID": product.id})
+        headers[REPLAYED] = "true"
+    else:
+        request.app[METRICS].job_enqueued(PRODUCT_EMAIL)
+        log.debug("product created", extra={"PRODUCT_ID": product.id, "JOB_ID": job_id})
+    return web.json_response(product.to_json(), status=201, headers=headers)
 
 
 async def _json_body(request: web.Request) -> bytes:

@@ -99,6 +99,21 @@ def _harga(data: Mapping[str, Any]) -> int:
     return harga
 
 
+_IDEMPOTENCY_KEY = re.compile(r"[\x20-\x7e]{1,255}")
+
+
+def idempotency_key(value: str | None) -> str | None:
+    """The Idempotency-Key header's value, or None when it was not sent."""
+    if value is None:
+        return None
+    # The draft standard sends it as a quoted string; plain tokens are common too.
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        value = value[1:-1]
+    if not _IDEMPOTENCY_KEY.fullmatch(value):
+        raise InvalidInput("Idempotency-Key must be 1 to 255 printable ASCII characters")
+    return value
+
+
 def page_params(query: MultiMapping[str]) -> tuple[int, int]:
     """(after_id, limit) from ``?after=&limit=``."""
     unknown = sorted(set(query) - {"after", "limit"})

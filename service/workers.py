@@ -158,14 +158,15 @@ class WorkerPool:
         return self._config.lease_seconds
 
     async def enqueue_here(
-        self, write: Callable[[float | None], Awaitable[tuple[T, int, NewJob]]]
-    ) -> tuple[T, int]:
+        self, write: Callable[[float | None], Awaitable[tuple[T, int | None, NewJob | None]]]
+    ) -> tuple[T, int | None]:
         """Enqueue a job through ``write`` and run it here if a slot is free.
 
         ``write(leased_for)`` stores the job (``NewJob.leased_for=leased_for``)
-        and returns (its own result, the job id, the job). With a slot free the
-        job is written already leased and handed over; otherwise it is written
-        pending and the claimer is woken. Returns (result, job id).
+        and returns (its own result, the job id, the job), or (result, None,
+        None) when it stored none. With a slot free the job is written already
+        leased and handed over; otherwise it is written pending and the
+        claimer is woken. Returns (result, job id).
         """
         leased_for = self.reserve()
         try:
@@ -174,7 +175,10 @@ class WorkerPool:
             if leased_for is not None:
                 self.dispatch(None)
             raise
-        if leased_for is None:
+        if job_id is None or job is None:
+            if leased_for is not None:
+                self.dispatch(None)
+        elif leased_for is None:
             self.notify()
         else:
             self.dispatch(leased_job(job_id, job, self._clock()))

@@ -51,9 +51,18 @@ class Store(Protocol):
 
     # products -------------------------------------------------------------
     async def create_product(
-        self, nama: str, harga: int, make_job: Callable[[Product], NewJob]
-    ) -> tuple[Product, int]:
-        """Insert a product and its job in one durable transaction; return both ids."""
+        self,
+        nama: str,
+        harga: int,
+        make_job: Callable[[Product], NewJob],
+        idempotency_key: str | None = None,
+    ) -> tuple[Product, int | None]:
+        """Insert a product and its job in one durable transaction; return both.
+
+        A product already stored with ``idempotency_key`` is returned instead,
+        with None for the job id: nothing is written (it may differ from
+        ``nama``/``harga``; the caller decides what that means).
+        """
 
     async def get_product(self, product_id: int) -> Product | None: ...
 

@@ -45,6 +45,13 @@ MIGRATIONS: tuple[str, ...] = (
         created_at     REAL    NOT NULL
     );
     """,
+    # 3: the Idempotency-Key a product was created with, so a retried POST
+    #    finds it instead of making a second one.
+    """
+    ALTER TABLE products ADD COLUMN idempotency_key TEXT;
+    CREATE UNIQUE INDEX products_idempotency_key ON products (idempotency_key)
+        WHERE idempotency_key IS NOT NULL;
+    """,
 )
 
 LATEST_VERSION = len(MIGRATIONS)

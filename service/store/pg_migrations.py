@@ -88,6 +88,13 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE TRIGGER jobs_notify AFTER INSERT ON jobs REFERENCING NEW TABLE AS inserted
         FOR EACH STATEMENT EXECUTE FUNCTION toko_notify_jobs();
     """,
+    # 4: the Idempotency-Key a product was created with, so a retried POST
+    #    finds it instead of making a second one.
+    """
+    ALTER TABLE products ADD COLUMN idempotency_key text;
+    CREATE UNIQUE INDEX products_idempotency_key ON products (idempotency_key)
+        WHERE idempotency_key IS NOT NULL;
+    """,
 )
 
 LATEST_VERSION = len(MIGRATIONS)

@@ -99,7 +99,8 @@ class _ProductWrite:
     nama: str
     harga: int
     make_job: Callable[[Product], NewJob]
-    future: asyncio.Future[tuple[Product, int]]
+    future: asyncio.Future[tuple[Product, int | None]]
+    key: str | None = None
 
 
 class _Lane:
@@ -271,7 +272,9 @@ class PostgresStore:
         try:
             result = await self._run_db(fn, retry=retry, lane=lane)
         except StoreError as exc:
-            self._write_health.failed(exc.__cause__ or exc)
+            # A constraint a row broke says nothing about whether we can write.
+            if not isinstance(exc.__cause__, asyncpg.IntegrityConstraintViolationError):
+                self._write_health.failed(exc.__cause__ or exc)
             raise
         self._write_health.wrote()
         return result
@@ -340,12 +343,17 @@ class PostgresStore:
 
     # products ------------------------------------------------------------------
     async def create_product(
-        self, nama: str, harga: int, make_job: Callable[[Product], NewJob]
-    ) -> tuple[Product, int]:
+        self,
+        nama: str,
+        harga: int,
+        make_job: Callable[[Product], NewJob],
+        idempotency_key: str | None = None,
+    ) -> tuple[Product, int | None]:
         if self._writer is None or self._writer.done():
             raise StoreError("the store is closed")
-        future: asyncio.Future[tuple[Product, int]] = asyncio.get_running_loop().create_future()
-        self._writes.put_nowait(_ProductWrite(nama, harga, make_job, future))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[tuple[Product, int | None]] = loop.create_future()
+        self._writes.put_nowait(_ProductWrite(nama, harga, make_job, future, idempotency_key))
         return await future
 
     async def _write_loop(self) -> None:
@@ -364,11 +372,18 @@ class PostgresStore:
             if stop:
                 return
 
-    async def _commit_products(self, batch: list[_ProductWrite]) -> None:
+    async def _commit_products(
+        self, batch: list[_ProductWrite], *, asked_again: bool = False
+    ) -> None:
         try:
             await self._insert_products(batch)
         except StoreError as exc:
             cause = exc.__cause__
+            if isinstance(cause, asyncpg.UniqueViolationError) and not asked_again:
+                # Another instance stored one of these Idempotency-Keys since we
+                # looked (the statement failed whole): look again, then insert.
+                await self._commit_products(batch, asked_again=True)
+                return
             bad_row = isinstance(cause, asyncpg.PostgresError) and not isinstance(
                 cause, _CONNECTION_ERRORS
             )
@@ -389,6 +404,48 @@ class PostgresStore:
                     write.future.set_exception(StoreError(f"database write failed: {exc}"))
 
     async def _insert_products(self, batch: list[_ProductWrite]) -> None:
+        batch, later = await self._answer_known_keys(batch)
+        if batch:
+            await self._insert_new_products(batch)
+        if later:
+            # Their keys came earlier in this batch: now stored, they are answered.
+            await self._commit_products(later)
+
+    async def _answer_known_keys(
+        self, batch: list[_ProductWrite]
+    ) -> tuple[list[_ProductWrite], list[_ProductWrite]]:
+        """Answer the writes whose key is stored already; return (to insert, to retry after).
+
+        A key twice in one batch: the first is inserted, the rest wait for it.
+        """
+        keys = [write.key for write in batch if write.key is not None]
+        if not keys:
+            return batch, []
+        rows = await self._fetch(
+            "SELECT idempotency_key, id, nama, harga, created_at FROM products"
+            " WHERE idempotency_key = ANY($1::text[])",
+            keys,
+            retry=True,
+            lane=self._product_writes,
+        )
+        known = {key: Product(*product) for key, *product in rows}
+        fresh: list[_ProductWrite] = []
+        later: list[_ProductWrite] = []
+        taken: set[str] = set()
+        for write in batch:
+            if write.key is None:
+                fresh.append(write)
+            elif write.key in known:
+                if not write.future.done():
+                    write.future.set_result((known[write.key], None))
+            elif write.key in taken:
+                later.append(write)
+            else:
+                taken.add(write.key)
+                fresh.append(write)
+        return fresh, later
+
+    async def _insert_new_products(self, batch: list[_ProductWrite]) -> None:
         now = self._clock()
         # Ids first (sequences are not transactional): the job payload needs
         # the product id, and make_job is our caller's Python code.
@@ -415,8 +472,9 @@ class PostgresStore:
         await self._execute(
             """
             WITH p AS (
-                INSERT INTO products (id, nama, harga, created_at)
-                SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::float8[])
+                INSERT INTO products (id, nama, harga, created_at, idempotency_key)
+                SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::float8[],
+                                     $10::text[])
             )
             INSERT INTO jobs (id, kind, payload, max_attempts, run_at, created_at, updated_at,
                               state, attempts, lease_until)
@@ -437,6 +495,7 @@ class PostgresStore:
             [r[4] for r in rows],
             [r[3].max_attempts for r in rows],
             [r[3].leased_for for r in rows],
+            [r[0].key for r in rows],
             write=True,
             lane=self._product_writes,
         )

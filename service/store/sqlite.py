@@ -141,7 +141,9 @@ class SqliteStore:
         try:
             result = await self._writer.run(fn, arg)
         except sqlite3.Error as exc:
-            self._write_health.failed(exc)
+            # A constraint a row broke says nothing about whether we can write.
+            if not isinstance(exc, sqlite3.IntegrityError):
+                self._write_health.failed(exc)
             raise StoreError(f"database write failed: {exc}") from exc
         except RuntimeError as exc:
             self._write_health.failed(exc)
@@ -169,9 +171,14 @@ class SqliteStore:
 
     # products ------------------------------------------------------------------
     async def create_product(
-        self, nama: str, harga: int, make_job: Callable[[Product], NewJob]
-    ) -> tuple[Product, int]:
-        return await self._write(_create_products, (nama, harga, self._clock(), make_job))
+        self,
+        nama: str,
+        harga: int,
+        make_job: Callable[[Product], NewJob],
+        idempotency_key: str | None = None,
+    ) -> tuple[Product, int | None]:
+        arg = (nama, harga, self._clock(), make_job, idempotency_key)
+        return await self._write(_create_products, arg)
 
     async def get_product(self, product_id: int) -> Product | None:
         def read(conn: sqlite3.Connection) -> Product | None:
@@ -376,23 +383,67 @@ def _insert_returning_ids(
     return sorted(row[0] for row in cur.fetchall())
 
 
-ProductArg = tuple[str, int, float, Callable[[Product], NewJob]]
+ProductArg = tuple[str, int, float, Callable[[Product], NewJob], str | None]
 
 
 def _create_products(
     conn: sqlite3.Connection, items: list[ProductArg]
+) -> list[tuple[Product, int | None]]:
+    """Insert each product with its job; a key stored before (or earlier in
+    this batch) inserts nothing and answers with that product and no job id."""
+    if all(item[4] is None for item in items):
+        return list(_insert_products(conn, items))
+    keyed = _products_by_key(conn, [item[4] for item in items if item[4] is not None])
+    fresh: list[ProductArg] = []
+    for item in items:
+        key = item[4]
+        if key is None or key not in keyed:
+            fresh.append(item)
+            if key is not None:
+                keyed[key] = None  # taken by this batch: filled in below
+    created = iter(_insert_products(conn, fresh))
+    results: list[tuple[Product, int | None]] = []
+    for item in items:
+        key = item[4]
+        product = keyed.get(key) if key is not None else None
+        if product is None:
+            product, job_id = next(created)
+            if key is not None:
+                keyed[key] = product
+            results.append((product, job_id))
+        else:
+            results.append((product, None))
+    return results
+
+
+def _products_by_key(conn: sqlite3.Connection, keys: list[str]) -> dict[str, Product | None]:
+    rows = conn.execute(
+        "SELECT idempotency_key, id, nama, harga, created_at FROM products"
+        " WHERE idempotency_key IN (SELECT value FROM json_each(?))",
+        (json.dumps(keys),),
+    ).fetchall()
+    return {key: Product(*product) for key, *product in rows}
+
+
+def _insert_products(
+    conn: sqlite3.Connection, items: list[ProductArg]
 ) -> list[tuple[Product, int]]:
+    if not items:
+        return []
     ids = _insert_returning_ids(
         conn,
         "products",
-        ("nama", "harga", "created_at"),
-        [(nama, harga, now) for nama, harga, now, _ in items],
+        ("nama", "harga", "created_at", "idempotency_key"),
+        [(nama, harga, now, key) for nama, harga, now, _, key in items],
     )
     products = [
         Product(pid, nama, harga, now)
-        for pid, (nama, harga, now, _) in zip(ids, items, strict=True)
+        for pid, (nama, harga, now, _, _) in zip(ids, items, strict=True)
     ]
-    jobs = [(make_job(p), p.created_at) for p, (*_, make_job) in zip(products, items, strict=True)]
+    jobs = [
+        (make_job(p), p.created_at)
+        for p, (_, _, _, make_job, _) in zip(products, items, strict=True)
+    ]
     job_ids = _insert_jobs(conn, jobs)
     return list(zip(products, job_ids, strict=True))
 

@@ -334,3 +334,44 @@ async def test_open_gives_up_on_an_unreachable_database(
     dead = pg_url.replace(f":{pg_cluster.port}/", f":{free_port()}/")
     with pytest.raises(StoreError, match="cannot open database"):
         await PostgresStore(dead, password=pg_cluster.password).open()
+
+
+async def test_an_idempotency_key_stored_by_another_host_meanwhile_is_answered(
+    hosts: list[PostgresStore], pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    # Another host's insert of the key is in flight (uncommitted) when this
+    # host looks: this host's insert waits on the unique index, then fails as
+    # a whole when the other commits. It must look again and answer with the
+    # other's product, not refuse the request.
+    other = await pg_cluster.connect(pg_url.rsplit("/", 1)[1])
+    try:
+        tx = other.transaction()
+        await tx.start()
+        other_id = await other.fetchval(
+            "INSERT INTO products (nama, harga, created_at, idempotency_key)"
+            " VALUES ('Kopi', 1, 0, 'order-9') RETURNING id"
+        )
+        write = asyncio.create_task(hosts[0].create_product("Kopi", 1, email_job, "order-9"))
+        await waiting_on_a_lock(pg_cluster, pg_url, "INSERT INTO products")
+        await tx.commit()
+        product, job_id = await write
+    finally:
+        await other.close()
+    assert (product.id, job_id) == (other_id, None)
+    assert await fetch(pg_cluster, pg_url, "SELECT count(*) FROM products") == [(1,)]
+    assert await fetch(pg_cluster, pg_url, "SELECT count(*) FROM jobs") == [(0,)]
+    assert hosts[0].write_error is None
+
+
+async def waiting_on_a_lock(cluster: PostgresCluster, url: str, statement: str) -> None:
+    async with asyncio.timeout(10):
+        while True:
+            if await fetch(
+                cluster,
+                url,
+                "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND position($1 in query) > 0",
+                statement,
+            ):
+                return
+            await asyncio.sleep(0.02)  # a lock wait has no event to await

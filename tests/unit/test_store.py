@@ -12,7 +12,7 @@ import pytest
 from service.models import NewJob, Product
 from service.store.base import Store, StoreError
 from service.store.migrations import LATEST_VERSION, migrate
-from service.store.sqlite import SqliteStore, connect
+from service.store.sqlite import SqliteStore, _create_products, connect
 from service.tasks import product_email_job
 from tests.unit.conftest import Backend, FakeClock
 
@@ -64,6 +64,52 @@ async def test_one_failed_write_does_not_undo_its_batch_neighbours(
     assert isinstance(results[1], ValueError)
     assert await backend.rows("SELECT nama FROM products ORDER BY nama") == [("a",), ("c",)]
     assert await backend.rows("SELECT count(*) FROM jobs") == [(2,)]
+
+
+async def test_a_stored_idempotency_key_returns_its_product(store: Store, backend: Backend) -> None:
+    first, job_id = await store.create_product("Kopi", 1, email_job, "order-1")
+    assert job_id is not None
+    # Even with other fields: the caller tells a replay from a misuse.
+    again, no_job = await store.create_product("Teh", 2, email_job, "order-1")
+    assert (again, no_job) == (first, None)
+    other, other_job = await store.create_product("Kopi", 1, email_job, "order-2")
+    assert other.id != first.id and other_job is not None
+    assert await backend.rows("SELECT count(*) FROM products") == [(2,)]
+    assert await backend.rows("SELECT count(*) FROM jobs") == [(2,)]
+
+
+async def test_one_key_twice_in_a_batch_stores_one_product(store: Store, backend: Backend) -> None:
+    results = await asyncio.gather(
+        store.create_product("Kopi", 1, email_job, "order-1"),
+        store.create_product("Susu", 3, email_job),
+        store.create_product("Kopi", 1, email_job, "order-1"),
+        store.create_product("Kopi", 1, email_job, "order-1"),
+    )
+    keyed = [results[0], results[2], results[3]]
+    assert len({product.id for product, _ in keyed}) == 1
+    assert sum(job_id is not None for _, job_id in keyed) == 1
+    assert results[1][1] is not None
+    assert await backend.rows("SELECT nama FROM products ORDER BY id") == [("Kopi",), ("Susu",)]
+    assert await backend.rows("SELECT count(*) FROM jobs") == [(2,)]
+
+
+def test_sqlite_batch_with_one_key_twice_inserts_it_once(tmp_path: Path) -> None:
+    # The writer thread may or may not have put the gather above in one batch;
+    # here the batch function gets exactly that batch.
+    conn = connect(str(tmp_path / "toko.db"))
+    migrate(conn)
+    items = [
+        ("Kopi", 1, 1.0, email_job, "k"),
+        ("Susu", 2, 1.0, email_job, None),
+        ("Kopi", 1, 1.0, email_job, "k"),
+    ]
+    conn.execute("BEGIN IMMEDIATE")
+    (kopi, kopi_job), (susu, susu_job), (again, no_job) = _create_products(conn, items)
+    conn.execute("COMMIT")
+    assert (again, no_job) == (kopi, None)
+    assert kopi_job is not None and susu_job is not None and susu.id != kopi.id
+    assert conn.execute("SELECT count(*) FROM products").fetchone() == (2,)
+    conn.close()
 
 
 async def test_concurrent_writes_share_commits(store: Store, backend: Backend) -> None:

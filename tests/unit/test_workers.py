@@ -180,6 +180,24 @@ async def test_a_clock_step_does_not_make_the_pool_retake_its_running_job(
     assert attempts == [1]
 
 
+async def test_a_write_that_stored_no_job_gives_its_slot_back(
+    store: Store, make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A repeated POST (its Idempotency-Key's product exists) stores nothing.
+    monkeypatch.setattr(workers, "SWEEP_SECONDS", 60.0)
+    _, handler = signalling_handler()
+    pool = make_pool(handler, workers=1)
+    await start_parked(pool, store, monkeypatch)
+
+    async def write_nothing(leased_for: float | None) -> tuple[str, None, None]:
+        return "answered", None, None
+
+    for _ in range(5):  # more than the pool's two slots
+        assert await pool.enqueue_here(write_nothing) == ("answered", None)
+    assert pool.reserve() is not None, "every slot came back"
+    pool.dispatch(None)
+
+
 async def test_without_a_free_slot_the_job_waits_pending_for_the_claimer(
     store: Store, make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
