@@ -11,7 +11,7 @@ import pytest
 
 from service.models import NewJob, Product
 from service.store.base import Store, StoreError
-from service.store.migrations import LATEST_VERSION, migrate
+from service.store.migrations import LATEST_VERSION, MIGRATIONS, migrate
 from service.store.sqlite import SqliteStore, _create_products, connect
 from service.tasks import product_email_job
 from tests.unit.conftest import Backend, FakeClock
@@ -110,6 +110,30 @@ def test_sqlite_batch_with_one_key_twice_inserts_it_once(tmp_path: Path) -> None
     assert kopi_job is not None and susu_job is not None and susu.id != kopi.id
     assert conn.execute("SELECT count(*) FROM products").fetchone() == (2,)
     conn.close()
+
+
+async def test_a_database_from_before_idempotency_keys_upgrades_with_its_data(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "toko.db")
+    conn = connect(path)
+    for statement in (s for step in MIGRATIONS[:2] for s in step.split(";") if s.strip()):
+        conn.execute(statement)
+    conn.execute("PRAGMA user_version = 2")
+    conn.execute("INSERT INTO products (nama, harga, created_at) VALUES ('Lama', 7, 1.0)")
+    conn.commit()
+    conn.close()
+    store = SqliteStore(path)
+    await store.open()
+    try:
+        assert rows(path, "PRAGMA user_version") == [(LATEST_VERSION,)]
+        old = await store.get_product(1)
+        assert old is not None and (old.nama, old.harga) == ("Lama", 7)
+        new, job_id = await store.create_product("Baru", 8, email_job, "k")
+        assert (new.id, job_id is not None) == (2, True)
+        assert (await store.create_product("Baru", 8, email_job, "k")) == (new, None)
+    finally:
+        await store.close()
 
 
 async def test_concurrent_writes_share_commits(store: Store, backend: Backend) -> None:
