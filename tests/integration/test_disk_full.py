@@ -18,9 +18,9 @@ import aiohttp
 import pytest
 
 from tests.conftest import ServiceFactory
-from tests.operability.scrape import scrape
 from tests.support import db
 from tests.support.api import healthz
+from tests.support.scrape import scrape
 
 pytestmark = pytest.mark.root
 

@@ -11,8 +11,8 @@ from service.app import create_app
 from service.keys import METRICS
 from service.settings import Settings
 from tests.conftest import ServiceFactory
-from tests.operability.scrape import scrape, scrape_until
 from tests.support.api import create_products
+from tests.support.scrape import scrape, scrape_until
 from tests.support.smtp import SmtpServer
 
 KIND = "product_email"
