@@ -89,8 +89,8 @@ class Metrics:
         )
         self.store_writable = Gauge(
             "toko_store_writable",
-            "0 while the store's latest write (or write probe) failed: a full disk, a read-only"
-            " database.",
+            "0 from a failed write until a product is stored or a write probe succeeds:"
+            " a full disk, a read-only database.",
             registry=r,
         )
         self.workers_alive = Gauge("toko_workers_alive", "Worker tasks alive.", registry=r)

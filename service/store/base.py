@@ -17,18 +17,22 @@ class StoreError(RuntimeError):
 
 
 class WriteHealth:
-    """Whether the store's latest write failed, and why.
+    """Whether the store can write, and why not.
 
     A full disk or a database gone read-only (a failover to a standby) fails
     every write while reads go on: /healthz must say so, and must notice when
     the writes work again even if nobody writes meanwhile (a load balancer
     that took toko out would send none), hence the probe.
+
+    Any failed write sets the error; only a stored product or a successful
+    probe clears it. On a nearly full disk a small write (an ack) can still
+    succeed where products no longer fit, so that proves nothing.
     """
 
     def __init__(self) -> None:
         self.error: str | None = None
 
-    def wrote(self) -> None:
+    def proven(self) -> None:
         self.error = None
 
     def failed(self, exc: BaseException) -> None:
@@ -36,7 +40,7 @@ class WriteHealth:
 
 
 async def write_error(store: Store) -> str | None:
-    """Why the store cannot write, probing first if its latest write failed."""
+    """Why the store cannot write, probing first if it could not."""
     if store.write_error is not None:
         # Nobody else may be writing (a balancer may have taken toko out): try.
         await store.probe_write()
@@ -124,7 +128,7 @@ class Store(Protocol):
 
     @property
     def write_error(self) -> str | None:
-        """Why the latest write failed; None once a write (or probe) succeeded."""
+        """Why a write failed; None once a product is stored or a probe succeeds."""
 
     async def probe_write(self) -> None:
         """Make the smallest durable write there is; updates ``write_error``, never raises."""

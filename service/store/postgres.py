@@ -265,7 +265,7 @@ class PostgresStore:
         a connection that died under it (server restart, failover, an admin's
         pg_terminate_backend; the pool may hold several dead ones) is replaced
         and the call made again, instead of failing an ack or a health check.
-        ``write``: the call writes, and its outcome is what /healthz reports.
+        ``write``: the call writes; its failure makes /healthz report the store unwritable.
         """
         if not write:
             return await self._run_db(fn, retry=retry, lane=lane)
@@ -276,7 +276,6 @@ class PostgresStore:
             if not isinstance(exc.__cause__, asyncpg.IntegrityConstraintViolationError):
                 self._write_health.failed(exc.__cause__ or exc)
             raise
-        self._write_health.wrote()
         return result
 
     async def _run_db(
@@ -501,6 +500,7 @@ class PostgresStore:
         )
         self.batches += 1
         self.ops += len(rows)
+        self._write_health.proven()
         for write, product, job_id, _, _ in rows:
             if not write.future.done():  # the caller may have gone (cancelled)
                 write.future.set_result((product, job_id))
@@ -683,6 +683,7 @@ class PostgresStore:
         # refuses it like any other write.
         with contextlib.suppress(StoreError):
             await self._execute("UPDATE toko_schema SET version = version", retry=True, write=True)
+            self._write_health.proven()
 
     # wake-ups ----------------------------------------------------------------------
     def add_wakeup_listener(self, callback: Callable[[], None]) -> None:

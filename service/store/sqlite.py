@@ -148,7 +148,6 @@ class SqliteStore:
         except RuntimeError as exc:
             self._write_health.failed(exc)
             raise StoreError(str(exc)) from exc
-        self._write_health.wrote()
         return result
 
     async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
@@ -178,7 +177,9 @@ class SqliteStore:
         idempotency_key: str | None = None,
     ) -> tuple[Product, int | None]:
         arg = (nama, harga, self._clock(), make_job, idempotency_key)
-        return await self._write(_create_products, arg)
+        result = await self._write(_create_products, arg)
+        self._write_health.proven()
+        return result
 
     async def get_product(self, product_id: int) -> Product | None:
         def read(conn: sqlite3.Connection) -> Product | None:
@@ -297,6 +298,7 @@ class SqliteStore:
             return
         with contextlib.suppress(StoreError):
             await self._write(_rewrite_schema_version, None)
+            self._write_health.proven()
 
     # recaps ------------------------------------------------------------------------
     async def record_recap(

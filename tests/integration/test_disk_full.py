@@ -25,6 +25,7 @@ from tests.support.scrape import scrape
 pytestmark = pytest.mark.root
 
 THROTTLE_S = 10  # service.logs.Throttle's interval
+STATUS_SECONDS = 5  # service.runner's STATUS= cadence
 STORE_DOWN = {"error": "storage is unavailable; try again shortly"}
 
 
@@ -96,6 +97,13 @@ async def test_a_full_disk_refuses_writes_cleanly_and_recovers(
         assert health["error"].startswith("storage cannot write: database or disk is full"), health
         assert {"pending", "running", "failed"} <= set(health["queue"]), "reads still answer"
         assert (await scrape(session, svc.base_url)).value("toko_store_writable") == 0
+        # And `systemctl status` does: the 5 s STATUS= line says so.
+        assert svc.notify is not None
+        await svc.notify.log.async_wait_for(
+            lambda notes: next((n for n in notes if "cannot write" in str(n.get("STATUS"))), None),
+            3 * STATUS_SECONDS,
+            "STATUS=...; cannot write: ...",
+        )
 
         grow(small_disk)
         # Nobody writes in between (a balancer would have taken toko out):
