@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
+from service.logs import Throttle
 from service.models import Job, NewJob, leased_job
 from service.store.base import Store, StoreError
 from service.tasks import Handler, JobContext, job_fields
@@ -111,6 +112,8 @@ class WorkerPool:
         self._claiming = 0  # slots the claim in flight may fill
         self._stopping = False
         self._deaths: list[float] = []
+        # A store that is down fails the claim every STORE_RETRY_SECONDS.
+        self._claim_failures = Throttle()
         self._gave_up = False
         self.succeeded = 0
         self.retried = 0
@@ -301,7 +304,9 @@ class WorkerPool:
                     continue
                 wait = await self._seconds_until_due()
             except StoreError as exc:
-                log.error("claiming jobs failed, retrying: %s", exc)
+                self._claim_failures.log(
+                    log, logging.ERROR, "claiming jobs failed, retrying: %s", exc
+                )
                 wait = STORE_RETRY_SECONDS
             if self._stopping:
                 return

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 
@@ -9,7 +10,7 @@ import pytest
 from service import workers
 from service.mail import Email
 from service.models import Job, NewJob, leased_job
-from service.store.base import Store
+from service.store.base import Store, StoreError
 from service.tasks import JobContext
 from service.workers import PoolConfig, WorkerPool, backoff_delay
 from tests.unit.conftest import Backend, FakeClock
@@ -196,6 +197,36 @@ async def test_a_write_that_stored_no_job_gives_its_slot_back(
         assert await pool.enqueue_here(write_nothing) == ("answered", None)
     assert pool.reserve() is not None, "every slot came back"
     pool.dispatch(None)
+
+
+async def test_a_store_that_stays_down_is_logged_once_per_interval_by_the_claimer(
+    store: Store,
+    make_pool: Callable[..., WorkerPool],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(workers, "STORE_RETRY_SECONDS", 0.001)
+    attempts = 0
+    enough = asyncio.Event()
+
+    async def failing_claim(
+        limit: int, lease_seconds: float, held: Collection[int] = ()
+    ) -> list[Job]:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 50:
+            enough.set()
+        raise StoreError("database call failed: connection refused")
+
+    monkeypatch.setattr(store, "claim", failing_claim)
+    _, handler = signalling_handler()
+    pool = make_pool(handler)
+    with caplog.at_level(logging.ERROR, logger="toko.worker"):
+        await pool.start()
+        async with asyncio.timeout(10):
+            await enough.wait()
+    lines = [r for r in caplog.records if r.getMessage().startswith("claiming jobs failed")]
+    assert len(lines) == 1, "50 failures within the 10 s interval: one line"
 
 
 async def test_without_a_free_slot_the_job_waits_pending_for_the_claimer(
