@@ -25,8 +25,9 @@ from service.listener import (
     start_serving,
     stop_accepting,
 )
+from service.logs import Throttle
 from service.settings import Settings
-from service.store import write_error
+from service.store import StoreError, write_error
 from service.systemd import Notifier
 from service.workers import WorkerPool
 
@@ -139,12 +140,19 @@ async def _status_line(app: web.Application) -> str:
 
 
 async def _status_loop(app: web.Application, notifier: Notifier) -> None:
+    failures = Throttle()  # a store that is down fails every update alike
     while True:
         await asyncio.sleep(STATUS_SECONDS)
         try:
-            notifier.status(await _status_line(app))
+            status = await _status_line(app)
+        except StoreError as exc:
+            # Say so in `systemctl status` rather than leave the last figures there.
+            status = f"store unavailable: {exc}"
+            failures.log(log, logging.ERROR, "status update failed: %s", exc)
         except Exception as exc:  # a long-lived loop logs and keeps going
-            log.error("status update failed: %s", exc)
+            failures.log(log, logging.ERROR, "status update failed: %s", exc)
+            continue
+        notifier.status(status)
 
 
 async def _watchdog_loop(pool: WorkerPool, notifier: Notifier, interval: float) -> None:

@@ -182,6 +182,7 @@ class PostgresStore:
         self.ops = 0
         # While the server is down every call hits this: a sample, not each.
         self._lost_connections = Throttle()
+        self._listen_failures = Throttle()
         self._write_health = WriteHealth()
 
     # lifecycle ---------------------------------------------------------------
@@ -716,7 +717,9 @@ class PostgresStore:
                         await conn.fetchval("SELECT 1", timeout=COMMAND_TIMEOUT)
                 log.warning("the LISTEN connection closed; reconnecting")
             except _DB_ERRORS as exc:
-                log.warning("LISTEN connection failed, retrying: %s", exc)
+                self._listen_failures.log(
+                    log, logging.WARNING, "LISTEN connection failed, retrying: %s", exc
+                )
             finally:
                 if conn is not None and not conn.is_closed():
                     with contextlib.suppress(*_DB_ERRORS):

@@ -1,0 +1,56 @@
+"""The database goes away under toko-api and stays away (dropped, or a server
+that does not come back): /healthz and `systemctl status` say so, the journal
+gets a sample of the failures rather than one line a second, and a SIGTERM
+still ends it cleanly."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from tests.conftest import ServiceFactory
+from tests.postgres.conftest import pg_env
+from tests.support.api import create_products, healthz
+from tests.support.postgres import PostgresCluster
+
+STATUS_SECONDS = 5  # service.runner's STATUS= cadence
+THROTTLE_S = 10  # service.logs.Throttle's interval
+
+
+async def test_a_database_that_is_gone_shows_in_health_and_status(
+    service_factory: ServiceFactory, pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    api = service_factory(pg_env(pg_cluster, pg_url)).start()
+    await api.async_wait_ready(timeout=30)
+    assert api.notify is not None
+    async with aiohttp.ClientSession() as session:
+        await create_products(session, api.base_url, ["sebelum"])
+        await pg_cluster.async_drop_database(pg_url)  # WITH (FORCE): every session ends
+
+        status, health = await healthz(session, api.base_url)
+        assert status == 503
+        assert health["error"] == "storage is unavailable"
+        note = await api.notify.log.async_wait_for(
+            lambda notes: next(
+                (n for n in notes if str(n.get("STATUS")).startswith("store unavailable: ")), None
+            ),
+            3 * STATUS_SECONDS,
+            "STATUS=store unavailable: ...",
+        )
+        assert "does not exist" in str(note.get("STATUS")), note
+        # Two more updates, still down: the claimer and the LISTEN connection
+        # retried every second and the status loop every 5 s, yet each logged
+        # about once per interval.
+        await api.notify.log.async_wait_for(
+            lambda notes: (
+                notes
+                if sum("store unavailable" in str(n.get("STATUS")) for n in notes) >= 3
+                else None
+            ),
+            4 * STATUS_SECONDS,
+            "three STATUS=store unavailable lines",
+        )
+    for message in ("claiming jobs failed", "status update failed", "LISTEN connection failed"):
+        lines = [r for r in api.logs.snapshot() if str(r.get("message")).startswith(message)]
+        assert 1 <= len(lines) <= 2, (message, lines)
+    api.terminate()
+    assert await api.async_wait_exit(timeout=30) == 0
