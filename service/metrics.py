@@ -55,6 +55,12 @@ class Metrics:
             buckets=REQUEST_BUCKETS,
             registry=r,
         )
+        self.replays = Counter(
+            "toko_idempotent_replays",
+            "POST /produk answered from an earlier request with the same Idempotency-Key:"
+            " how often clients retry.",
+            registry=r,
+        )
         self.jobs_enqueued = Counter(
             "toko_jobs_enqueued",
             "Jobs this toko-api enqueued (jobs from toko-recap and toko-alert show in the "

@@ -60,6 +60,7 @@ async def create_product(request: web.Request) -> web.Response:
             )
             return json_error(422, message)
         log.info("repeated request answered", extra={"PRODUCT_ID": product.id})
+        request.app[METRICS].replays.inc()
         headers[REPLAYED] = "true"
     else:
         request.app[METRICS].job_enqueued(PRODUCT_EMAIL)

@@ -15,6 +15,7 @@ import pytest
 
 from tests.support import db
 from tests.support.api import wait_healthy
+from tests.support.scrape import scrape
 from tests.support.service import ServiceProcess, ready_service
 
 REPLAYED = "Idempotent-Replayed"
@@ -61,6 +62,7 @@ async def emails_for(session: aiohttp.ClientSession, svc: ServiceProcess, produc
 async def test_a_retry_with_the_same_key_gets_the_first_answer(svc: ServiceProcess) -> None:
     body = {"nama": "Kopi Ulang", "harga": 15000}
     async with aiohttp.ClientSession() as session:
+        replays = (await scrape(session, svc.base_url)).value("toko_idempotent_replays_total")
         status, first, first_headers = await post(session, svc, body, "order-1")
         assert status == 201, first
         assert REPLAYED not in first_headers
@@ -69,6 +71,8 @@ async def test_a_retry_with_the_same_key_gets_the_first_answer(svc: ServiceProce
         assert again == first
         assert headers["Location"] == first_headers["Location"] == f"/produk/{first['id']}"
         assert headers[REPLAYED] == "true"
+        after = (await scrape(session, svc.base_url)).value("toko_idempotent_replays_total")
+        assert after == replays + 1
         assert await emails_for(session, svc, first["id"]) == 1
     assert len(products_named(svc, "Kopi Ulang")) == 1
     assert len(jobs_for(svc, first["id"])) == 1
