@@ -393,36 +393,37 @@ def _create_products(
 ) -> list[tuple[Product, int | None]]:
     """Insert each product with its job; a key stored before (or earlier in
     this batch) inserts nothing and answers with that product and no job id."""
-    if all(item[4] is None for item in items):
+    keys = {item[4] for item in items if item[4] is not None}
+    if not keys:
         return list(_insert_products(conn, items))
-    keyed = _products_by_key(conn, [item[4] for item in items if item[4] is not None])
+    stored = _products_by_key(conn, keys)
     fresh: list[ProductArg] = []
+    taken: set[str] = set()
     for item in items:
         key = item[4]
-        if key is None or key not in keyed:
+        if key is None or (key not in stored and key not in taken):
             fresh.append(item)
             if key is not None:
-                keyed[key] = None  # taken by this batch: filled in below
+                taken.add(key)
     created = iter(_insert_products(conn, fresh))
     results: list[tuple[Product, int | None]] = []
     for item in items:
         key = item[4]
-        product = keyed.get(key) if key is not None else None
-        if product is None:
-            product, job_id = next(created)
-            if key is not None:
-                keyed[key] = product
-            results.append((product, job_id))
-        else:
-            results.append((product, None))
+        if key is not None and key in stored:
+            results.append((stored[key], None))
+            continue
+        product, job_id = next(created)
+        if key is not None:
+            stored[key] = product  # later items with this key answer with it
+        results.append((product, job_id))
     return results
 
 
-def _products_by_key(conn: sqlite3.Connection, keys: list[str]) -> dict[str, Product | None]:
+def _products_by_key(conn: sqlite3.Connection, keys: set[str]) -> dict[str, Product]:
     rows = conn.execute(
         "SELECT idempotency_key, id, nama, harga, created_at FROM products"
         " WHERE idempotency_key IN (SELECT value FROM json_each(?))",
-        (json.dumps(keys),),
+        (json.dumps(sorted(keys)),),
     ).fetchall()
     return {key: Product(*product) for key, *product in rows}
 
