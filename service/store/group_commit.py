@@ -15,6 +15,10 @@ and re-takes the GIL, and each re-take may wait behind the event loop.
 Should a batch function raise, the transaction is rolled back whole (nothing
 is half-written) and each write is retried alone, so one caller's failure
 costs the others nothing.
+
+An optional ``verify(conn)`` runs after each commit. Once it raises a
+``sqlite3.Error``, the writes of that batch and of every later one fail with
+it: the writer refuses for good (the SQLite file was deleted, say).
 """
 
 from __future__ import annotations
@@ -59,8 +63,14 @@ class _BatchFailed(Exception):
 
 
 class GroupCommitWriter:
-    def __init__(self, connect: Callable[[], sqlite3.Connection]) -> None:
+    def __init__(
+        self,
+        connect: Callable[[], sqlite3.Connection],
+        verify: Callable[[sqlite3.Connection], None] | None = None,
+    ) -> None:
         self._connect = connect
+        self._verify = verify
+        self._refused: sqlite3.Error | None = None  # what verify raised, for good
         self._ops: queue.SimpleQueue[_Op | object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
@@ -124,21 +134,13 @@ class GroupCommitWriter:
             conn.close()
 
     def _commit(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
-        try:
-            results = _run_in_transaction(conn, batch)
-        except _BatchFailed:
-            results = []
-            for op in batch:
-                try:
-                    results.extend(_run_in_transaction(conn, [op]))
-                except _BatchFailed as failed:
-                    results.append((op, None, failed.cause))
-                except sqlite3.Error as exc:
-                    results.append((op, None, exc))
-        except sqlite3.Error as exc:
-            # The commit itself failed (disk full, I/O error): nothing is durable.
-            self._commit_failures.log(log, logging.ERROR, "SQLite commit failed: %s", exc)
-            results = [(op, None, exc) for op in batch]
+        if self._refused is not None:
+            results: list[_Result] = [(op, None, self._refused) for op in batch]
+        else:
+            results = self._run_batch(conn, batch)
+            self._refused = self._refusal(conn)
+            if self._refused is not None:  # committed, but not where it counts
+                results = [(op, None, err or self._refused) for op, _, err in results]
         self.batches += 1
         self.ops += len(batch)
         # One hop back to each loop per batch, not one per caller.
@@ -149,6 +151,34 @@ class GroupCommitWriter:
             # A closed loop means its callers are gone; nothing to resolve.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_resolve_all, items)
+
+    def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> list[_Result]:
+        try:
+            return _run_in_transaction(conn, batch)
+        except _BatchFailed:
+            results: list[_Result] = []
+            for op in batch:
+                try:
+                    results.extend(_run_in_transaction(conn, [op]))
+                except _BatchFailed as failed:
+                    results.append((op, None, failed.cause))
+                except sqlite3.Error as exc:
+                    results.append((op, None, exc))
+            return results
+        except sqlite3.Error as exc:
+            # The commit itself failed (disk full, I/O error): nothing is durable.
+            self._commit_failures.log(log, logging.ERROR, "SQLite commit failed: %s", exc)
+            return [(op, None, exc) for op in batch]
+
+    def _refusal(self, conn: sqlite3.Connection) -> sqlite3.Error | None:
+        """Why ``verify`` says the connection must not be written to (None: it may)."""
+        if self._verify is None:
+            return None
+        try:
+            self._verify(conn)
+        except sqlite3.Error as exc:
+            return exc
+        return None
 
 
 def _run_in_transaction(conn: sqlite3.Connection, batch: list[_Op]) -> list[_Result]:

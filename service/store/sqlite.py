@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts, job_from_row
 from service.store.admin import JobDetails, QueueStats
 from service.store.base import StoreError, WriteHealth
+from service.store.file_guard import FileGuard
 from service.store.group_commit import BatchFn, GroupCommitWriter
 from service.store.migrations import migrate
 
@@ -95,7 +96,8 @@ class SqliteStore:
     ) -> None:
         self.path = path
         self._clock = clock
-        self._writer = GroupCommitWriter(lambda: connect(path))
+        self._file_guard = FileGuard(path)
+        self._writer = GroupCommitWriter(self._connect_writer, self._file_guard.check)
         self._reader_count = readers
         self._readers: ThreadPoolExecutor | None = None
         self._reader_local = threading.local()
@@ -120,6 +122,11 @@ class SqliteStore:
             migrate(conn)
         finally:
             conn.close()
+
+    def _connect_writer(self) -> sqlite3.Connection:
+        conn = connect(self.path)
+        self._file_guard.opened()
+        return conn
 
     async def close(self) -> None:
         await asyncio.to_thread(self._writer.stop)
@@ -290,7 +297,13 @@ class SqliteStore:
         # A one-page write can still fit where a batch of products does not
         # (SQLite reuses its WAL file's space), so a nearly full disk counts
         # as full until it has room to spare again.
-        free = await asyncio.to_thread(_free_bytes, self.path)
+        if self._file_guard.gone:
+            return  # refused until a restart, whatever a write would do now
+        try:
+            free = await asyncio.to_thread(_free_bytes, self.path)
+        except OSError as exc:  # its folder is gone, say
+            self._write_health.failed(exc)
+            return
         if free < PROBE_MIN_FREE:
             self._write_health.failed(
                 OSError(f"database or disk is full ({free // 1024} KiB free beside the database)")

@@ -280,6 +280,31 @@ def test_sighup_leaves_the_service_running(toko: Deployment) -> None:
     assert toko.post_product("Setelah SIGHUP")["id"] > 0
 
 
+def test_a_deleted_database_is_saved_inside_the_sandbox(toko: Deployment) -> None:
+    # The rescue copy is written by the confined service user, beside the file.
+    since = toko.now()
+    product = toko.post_product("Sebelum dihapus")
+    toko.machine.sh("cd /var/lib/toko && rm -f toko.db toko.db-wal toko.db-shm")
+    entry = wait_until(
+        lambda: next((e for e in toko.journal("toko-api", since) if "RESCUED" in e), None),
+        30,
+        "the CRITICAL line with the rescued copy",
+    )
+    assert entry["PRIORITY"] == "2", entry  # LOG_CRIT
+    assert toko.healthz().status == 503
+    rescued = str(entry["RESCUED"])
+    assert toko.machine.run(["stat", "-c", "%a %U", rescued]).stdout.split() == ["600", "toko"]
+
+    toko.machine.run(["systemctl", "stop", "toko-api.socket", "toko-api.service"])
+    toko.machine.run(["mv", rescued, "/var/lib/toko/toko.db"])
+    toko.machine.run(["systemctl", "start", "toko-api.socket", "toko-api.service"])
+    toko.wait_serving()
+    assert toko.sql("SELECT nama FROM products WHERE id = ?", (product["id"],)) == [
+        ("Sebelum dihapus",)
+    ]
+    assert toko.post_product("Setelah dipulihkan")["id"] > product["id"]
+
+
 def test_restart_under_load_refuses_nothing(toko: Deployment) -> None:
     created: list[tuple[float, int]] = []  # (when the request was sent, product id)
     errors: list[tuple[str, BaseException]] = []  # (product name, what the client got)

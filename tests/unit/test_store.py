@@ -11,6 +11,7 @@ import pytest
 
 from service.models import NewJob, Product
 from service.store.base import Store, StoreError
+from service.store.group_commit import GroupCommitWriter
 from service.store.migrations import LATEST_VERSION, MIGRATIONS, migrate
 from service.store.sqlite import SqliteStore, _create_products, connect
 from service.tasks import product_email_job
@@ -110,6 +111,36 @@ def test_sqlite_batch_with_one_key_twice_inserts_it_once(tmp_path: Path) -> None
     assert kopi_job is not None and susu_job is not None and susu.id != kopi.id
     assert conn.execute("SELECT count(*) FROM products").fetchone() == (2,)
     conn.close()
+
+
+async def test_a_failed_verify_refuses_its_batch_and_every_later_one(tmp_path: Path) -> None:
+    path = str(tmp_path / "w.db")
+    verified: list[int] = []
+
+    def verify(conn: sqlite3.Connection) -> None:
+        verified.append(1)
+        if len(verified) >= 2:
+            raise sqlite3.OperationalError("the file is gone")
+
+    def insert(conn: sqlite3.Connection, items: list[int]) -> list[None]:
+        conn.executemany("INSERT INTO t VALUES (?)", [(item,) for item in items])
+        return [None] * len(items)
+
+    setup = connect(path)
+    setup.execute("CREATE TABLE t (x INTEGER)")
+    setup.close()
+    writer = GroupCommitWriter(lambda: connect(path), verify)
+    writer.start()
+    try:
+        await writer.run(insert, 1)
+        with pytest.raises(sqlite3.OperationalError, match="the file is gone"):
+            await writer.run(insert, 2)  # committed, then verified: not durable after all
+        with pytest.raises(sqlite3.OperationalError, match="the file is gone"):
+            await writer.run(insert, 3)  # refused without being written
+    finally:
+        writer.stop()
+    assert rows(path, "SELECT x FROM t ORDER BY x") == [(1,), (2,)]
+    assert len(verified) == 2, "once refused, for good: not asked again"
 
 
 async def test_a_database_from_before_idempotency_keys_upgrades_with_its_data(

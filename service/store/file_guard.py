@@ -1,0 +1,135 @@
+"""Notice when the SQLite file is deleted or replaced under a running toko-api.
+
+An open connection keeps writing to the file it opened, even after ``rm`` or
+a ``mv`` over it: SQLite in WAL mode does not check. Every 201 after that
+would be a product the next start can no longer see. So after each commit the
+writer checks that the path still names the file it writes; once it does not,
+every write is refused (503, and /healthz says why) until toko-api restarts.
+
+What the process still has open is the only copy of that data, so it is
+saved beside the path first, or, when there is no room there (the whole
+folder deleted), the message says which ``/proc`` file to copy before the
+process ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import time
+from pathlib import Path
+
+log = logging.getLogger("toko.store")
+
+
+class DatabaseFileGone(sqlite3.OperationalError):
+    """The path no longer names the file this process writes: writes would be lost."""
+
+
+def file_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``; None when nothing is there."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+class FileGuard:
+    """The writer thread calls ``opened`` once, then ``check`` after each commit."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._identity: tuple[int, int] | None = None
+        self._gone: DatabaseFileGone | None = None
+
+    @property
+    def gone(self) -> bool:
+        """Whether ``check`` has found the file gone (for good: only a restart reopens)."""
+        return self._gone is not None
+
+    def opened(self) -> None:
+        """Remember which file the writer's connection has just opened."""
+        self._identity = file_identity(self.path)
+
+    def check(self, conn: sqlite3.Connection) -> None:
+        """Raise DatabaseFileGone if the path no longer names the file ``conn`` writes.
+
+        The first time, save what ``conn`` sees first.
+        """
+        if self._gone is None:
+            try:
+                now = file_identity(self.path)
+            except OSError:
+                return  # cannot tell (a permission changed?): SQLite will say if it matters
+            if now == self._identity:
+                return
+            self._gone = DatabaseFileGone(
+                f"the database file {self.path} was deleted or replaced while toko-api ran;"
+                " restart toko-api to use the file now at that path"
+            )
+            self._save(conn, "deleted or moved away" if now is None else "replaced")
+        raise self._gone
+
+    def _save(self, conn: sqlite3.Connection, what: str) -> None:
+        # Fold the WAL into the open file first, so that file alone is whole.
+        try:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error as exc:
+            log.warning("checkpoint of the vanished database failed: %s", exc)
+        rescued = Path(self.path).with_name(
+            f"{Path(self.path).name}.rescued-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        )
+        try:
+            _copy(conn, rescued)
+        except (OSError, sqlite3.Error) as exc:
+            rescued.unlink(missing_ok=True)
+            log.critical(
+                "database file %s while running: refusing writes, which would be lost."
+                " Could not save its contents beside it (%s); they are in %s until toko-api"
+                " stops: copy that file, then restart toko-api",
+                what,
+                exc,
+                _open_copy_hint(self._identity),
+                extra={"DATABASE": self.path},
+            )
+            return
+        log.critical(
+            "database file %s while running: refusing writes, which would be lost."
+            " Its contents up to now are saved in %s; put that back at %s (or keep the"
+            " file now there), then restart toko-api",
+            what,
+            rescued,
+            self.path,
+            extra={"DATABASE": self.path, "RESCUED": str(rescued)},
+        )
+
+
+def _copy(conn: sqlite3.Connection, target: Path) -> None:
+    # 0600 before SQLite writes a byte, as for backups: it holds all the shop's data.
+    os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    dest = sqlite3.connect(target)
+    try:
+        conn.backup(dest)
+        dest.execute("PRAGMA journal_mode = DELETE")  # one self-contained file
+    finally:
+        dest.close()
+    with open(target, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _open_copy_hint(identity: tuple[int, int] | None) -> str:
+    """The /proc path of this process's descriptor for the vanished file."""
+    fd_dir = Path("/proc/self/fd")
+    try:
+        for entry in fd_dir.iterdir():
+            try:
+                st = entry.stat()
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == identity:
+                return f"/proc/{os.getpid()}/fd/{entry.name}"
+    except OSError:
+        pass
+    return f"the files open in /proc/{os.getpid()}/fd"
