@@ -49,7 +49,13 @@ class Throttle:
         self._held = 0
 
     def log(
-        self, logger: logging.Logger, level: int, msg: str, *args: object, **fields: Any
+        self,
+        logger: logging.Logger,
+        level: int,
+        msg: str,
+        *args: object,
+        exc_info: BaseException | None = None,
+        **fields: Any,
     ) -> None:
         now = self._clock()
         if now < self._quiet_until:
@@ -59,7 +65,7 @@ class Throttle:
             msg += " (%d more like this in the %g s before were not logged)"
             args = (*args, self._held, self.interval)
             fields["SUPPRESSED"] = self._held
-        logger.log(level, msg, *args, extra=fields)
+        logger.log(level, msg, *args, exc_info=exc_info, extra=fields)
         self._held = 0
         self._quiet_until = now + self.interval
 

@@ -75,10 +75,12 @@ class GroupCommitWriter:
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
+        self._ended = False  # set by the thread as it ends; later writes fail at once
         self.batches = 0
         self.ops = 0
         # A full disk fails every batch; used by the writer thread only.
         self._commit_failures = Throttle()
+        self._faults = Throttle()  # the same for a fault of ours (a bug)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="toko-sqlite-writer", daemon=True)
@@ -89,11 +91,13 @@ class GroupCommitWriter:
 
     async def run(self, fn: BatchFn[A, R], arg: A) -> R:
         """Run ``fn(conn, [..., arg, ...])`` in the next batch; return once it is durable."""
-        if self._thread is None or not self._thread.is_alive():
+        if self._thread is None or self._ended:
             raise RuntimeError("the SQLite writer is not running")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
         self._ops.put(_Op(fn, arg, future, loop))
+        if self._ended:  # it ended between the check and the put: nobody will take it
+            self._fail_waiting()
         return await future
 
     def stop(self) -> None:
@@ -113,6 +117,7 @@ class GroupCommitWriter:
             self._started.set()
             return
         self._started.set()
+        ops: list[_Op] = []  # the batch in hand, failed should the thread end under it
         try:
             stopping = False
             while not stopping:
@@ -129,9 +134,44 @@ class GroupCommitWriter:
                         stopping = True
                         break
                     batch.append(nxt)
-                self._commit(conn, [op for op in batch if isinstance(op, _Op)])
+                ops = [op for op in batch if isinstance(op, _Op)]
+                self._commit_or_fail(conn, ops)
+                ops = []
+        except BaseException:  # to the journal; threading would only print it to stderr
+            log.critical("SQLite writer thread died; restart toko-api", exc_info=True)
         finally:
+            self._ended = True
             conn.close()
+            self._fail_waiting(ops)
+
+    def _commit_or_fail(self, conn: sqlite3.Connection, ops: list[_Op]) -> None:
+        """Commit ``ops``. A fault of ours (not the database's) fails them, and the
+        writer carries on rather than leave every later write waiting."""
+        try:
+            self._commit(conn, ops)
+        except Exception as exc:
+            self._faults.log(
+                log, logging.ERROR, "SQLite writer: a batch failed: %r", exc, exc_info=exc
+            )
+            with contextlib.suppress(sqlite3.Error):
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+            fault = RuntimeError(f"the SQLite writer failed: {exc!r}")
+            _send_results([(op, None, fault) for op in ops])
+
+    def _fail_waiting(self, in_hand: Sequence[_Op] = ()) -> None:
+        """Fail ``in_hand`` and every write still queued: nobody is left to run them,
+        and failing beats leaving their callers waiting forever."""
+        waiting = list(in_hand)
+        while True:
+            try:
+                op = self._ops.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(op, _Op):
+                waiting.append(op)
+        ended = RuntimeError("the SQLite writer has stopped")
+        _send_results([(op, None, ended) for op in waiting])
 
     def _commit(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
         if self._refused is not None:
@@ -143,14 +183,7 @@ class GroupCommitWriter:
                 results = [(op, None, err or self._refused) for op, _, err in results]
         self.batches += 1
         self.ops += len(batch)
-        # One hop back to each loop per batch, not one per caller.
-        by_loop: dict[asyncio.AbstractEventLoop, list[_Result]] = {}
-        for item in results:
-            by_loop.setdefault(item[0].loop, []).append(item)
-        for loop, items in by_loop.items():
-            # A closed loop means its callers are gone; nothing to resolve.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_resolve_all, items)
+        _send_results(results)
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> list[_Result]:
         try:
@@ -203,6 +236,17 @@ def _run_in_transaction(conn: sqlite3.Connection, batch: list[_Op]) -> list[_Res
             conn.execute("ROLLBACK")
         raise
     return results
+
+
+def _send_results(results: list[_Result]) -> None:
+    # One hop back to each loop per batch, not one per caller.
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Result]] = {}
+    for item in results:
+        by_loop.setdefault(item[0].loop, []).append(item)
+    for loop, items in by_loop.items():
+        # A closed loop means its callers are gone; nothing to resolve.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_resolve_all, items)
 
 
 def _resolve_all(items: list[_Result]) -> None:

@@ -122,25 +122,84 @@ async def test_a_failed_verify_refuses_its_batch_and_every_later_one(tmp_path: P
         if len(verified) >= 2:
             raise sqlite3.OperationalError("the file is gone")
 
-    def insert(conn: sqlite3.Connection, items: list[int]) -> list[None]:
-        conn.executemany("INSERT INTO t VALUES (?)", [(item,) for item in items])
-        return [None] * len(items)
-
-    setup = connect(path)
-    setup.execute("CREATE TABLE t (x INTEGER)")
-    setup.close()
+    _table_t(path)
     writer = GroupCommitWriter(lambda: connect(path), verify)
     writer.start()
     try:
-        await writer.run(insert, 1)
+        await writer.run(_insert_t, 1)
         with pytest.raises(sqlite3.OperationalError, match="the file is gone"):
-            await writer.run(insert, 2)  # committed, then verified: not durable after all
+            await writer.run(_insert_t, 2)  # committed, then verified: not durable after all
         with pytest.raises(sqlite3.OperationalError, match="the file is gone"):
-            await writer.run(insert, 3)  # refused without being written
+            await writer.run(_insert_t, 3)  # refused without being written
     finally:
         writer.stop()
     assert rows(path, "SELECT x FROM t ORDER BY x") == [(1,), (2,)]
     assert len(verified) == 2, "once refused, for good: not asked again"
+
+
+def _table_t(path: str) -> None:
+    setup = connect(path)
+    setup.execute("CREATE TABLE t (x INTEGER)")
+    setup.close()
+
+
+def _insert_t(conn: sqlite3.Connection, items: list[int]) -> list[None]:
+    conn.executemany("INSERT INTO t VALUES (?)", [(item,) for item in items])
+    return [None] * len(items)
+
+
+async def test_a_fault_in_the_writer_fails_its_batch_and_the_writer_carries_on(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "w.db")
+    _table_t(path)
+    faults = [ValueError("a bug")]
+
+    def verify(conn: sqlite3.Connection) -> None:
+        if faults:
+            raise faults.pop()  # not a database error: a fault of ours
+
+    writer = GroupCommitWriter(lambda: connect(path), verify)
+    writer.start()
+    try:
+        async with asyncio.timeout(10):  # before, the caller waited forever
+            with pytest.raises(RuntimeError, match="the SQLite writer failed: ValueError"):
+                await writer.run(_insert_t, 1)
+            await writer.run(_insert_t, 2)  # the next batch is written as usual
+    finally:
+        writer.stop()
+    assert rows(path, "SELECT x FROM t ORDER BY x") == [(1,), (2,)]
+
+
+class _Fatal(BaseException):
+    """Ends the writer thread, as nothing in toko should."""
+
+
+async def test_writes_fail_rather_than_wait_forever_once_the_writer_thread_ended(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "w.db")
+    _table_t(path)
+
+    def fatal(conn: sqlite3.Connection, items: list[int]) -> list[None]:
+        raise _Fatal
+
+    writer = GroupCommitWriter(lambda: connect(path))
+    writer.start()
+    try:
+        waiting = [asyncio.ensure_future(writer.run(_insert_t, n)) for n in range(20)]
+        async with asyncio.timeout(10):  # before, the callers waited forever
+            with pytest.raises(RuntimeError, match="the SQLite writer has stopped"):
+                await writer.run(fatal, 0)
+            # Each write queued with it was either committed before or is now refused.
+            outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+        refused = [o for o in outcomes if isinstance(o, RuntimeError)]
+        assert all(o is None or isinstance(o, RuntimeError) for o in outcomes), outcomes
+        with pytest.raises(RuntimeError, match="not running"):
+            await writer.run(_insert_t, 99)
+    finally:
+        writer.stop()
+    assert len(rows(path, "SELECT x FROM t")) == len(outcomes) - len(refused)
 
 
 async def test_a_database_from_before_idempotency_keys_upgrades_with_its_data(
