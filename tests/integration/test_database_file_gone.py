@@ -28,6 +28,12 @@ STORE_DOWN = {"error": "storage is unavailable; try again shortly"}
 GONE = "was deleted or replaced while toko-api ran; restart toko-api"
 
 
+async def started(service_factory: ServiceFactory, database: Path) -> ServiceProcess:
+    svc = service_factory(database=database).start()
+    await svc.async_wait_ready(timeout=20)
+    return svc
+
+
 async def gone_line(svc: ServiceProcess) -> dict[str, Any]:
     """The one CRITICAL line that says the file is gone (within the claimer's 1 s sweep)."""
     record: dict[str, Any] = await svc.logs.async_wait_for(
@@ -74,8 +80,7 @@ async def test_a_deleted_database_is_saved_and_writes_are_refused(
     service_factory: ServiceFactory, tmp_path: Path
 ) -> None:
     database = tmp_path / "toko.db"
-    svc = service_factory(database=database).start()
-    await svc.async_wait_ready(timeout=20)
+    svc = await started(service_factory, database)
     async with aiohttp.ClientSession() as session:
         made = [await create_product(session, svc.base_url, f"Kopi {n}", n) for n in range(3)]
         remove_database(tmp_path)
@@ -96,8 +101,7 @@ async def test_a_deleted_database_is_saved_and_writes_are_refused(
 
     # Put it back and start again: everything acknowledged is there.
     rescued.rename(database)  # noqa: ASYNC240
-    again = service_factory(database=database).start()
-    await again.async_wait_ready(timeout=20)
+    again = await started(service_factory, database)
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{again.base_url}/produk") as resp:
             listed = await resp.json()
@@ -109,8 +113,7 @@ async def test_a_database_replaced_by_another_file_is_not_written_to(
     service_factory: ServiceFactory, tmp_path: Path
 ) -> None:
     database = tmp_path / "toko.db"
-    svc = service_factory(database=database).start()
-    await svc.async_wait_ready(timeout=20)
+    svc = await started(service_factory, database)
     async with aiohttp.ClientSession() as session:
         first = await create_product(session, svc.base_url, "Kopi", 1)
         # An admin restores an older copy with `mv` while toko-api still runs.
@@ -130,8 +133,7 @@ async def test_a_database_replaced_by_another_file_is_not_written_to(
     assert [r["id"] for r in db.query(database, "SELECT id FROM products")] == [first["id"]]
     assert_whole(Path(line["RESCUED"]), [first, made_after])
 
-    again = service_factory(database=database).start()
-    await again.async_wait_ready(timeout=20)
+    again = await started(service_factory, database)
     async with aiohttp.ClientSession() as session:
         assert (await create_product(session, again.base_url, "Susu", 3))["id"] == 2
 
@@ -140,8 +142,7 @@ async def test_a_deleted_folder_leaves_a_copy_to_take_from_proc(
     service_factory: ServiceFactory, tmp_path: Path
 ) -> None:
     folder = tmp_path / "var"
-    svc = service_factory(database=folder / "toko.db").start()
-    await svc.async_wait_ready(timeout=20)
+    svc = await started(service_factory, folder / "toko.db")
     async with aiohttp.ClientSession() as session:
         made = [await create_product(session, svc.base_url, f"Kopi {n}", n) for n in range(3)]
         shutil.rmtree(folder)  # rm -rf var/
