@@ -56,7 +56,7 @@ class FileGuard:
     def check(self, conn: sqlite3.Connection) -> None:
         """Raise DatabaseFileGone if the path no longer names the file ``conn`` writes.
 
-        The first time, save what ``conn`` sees first.
+        The first time it finds the file gone, it saves what ``conn`` still sees.
         """
         if self._gone is None:
             try:
@@ -84,7 +84,6 @@ class FileGuard:
         try:
             _copy(conn, rescued)
         except (OSError, sqlite3.Error) as exc:
-            rescued.unlink(missing_ok=True)
             log.critical(
                 "database file %s while running: refusing writes, which would be lost."
                 " Could not save its contents beside it (%s); they are in %s until toko-api"
@@ -107,16 +106,26 @@ class FileGuard:
 
 
 def _copy(conn: sqlite3.Connection, target: Path) -> None:
+    """A durable copy of what ``conn`` sees at ``target``, a new file; none if it fails."""
     # 0600 before SQLite writes a byte, as for backups: it holds all the shop's data.
     os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    dest = sqlite3.connect(target)
     try:
-        conn.backup(dest)
-        dest.execute("PRAGMA journal_mode = DELETE")  # one self-contained file
-    finally:
-        dest.close()
-    with open(target, "rb") as fh:
-        os.fsync(fh.fileno())
+        dest = sqlite3.connect(target)
+        try:
+            conn.backup(dest)
+            dest.execute("PRAGMA journal_mode = DELETE")  # one self-contained file
+        finally:
+            dest.close()
+        with open(target, "rb") as fh:
+            os.fsync(fh.fileno())
+        folder = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(folder)  # and its name in the folder
+        finally:
+            os.close(folder)
+    except BaseException:
+        target.unlink(missing_ok=True)
+        raise
 
 
 def _open_copy_hint(identity: tuple[int, int] | None) -> str:
