@@ -6,10 +6,10 @@ would be a product the next start can no longer see. So after each commit the
 writer checks that the path still names the file it writes; once it does not,
 every write is refused (503, and /healthz says why) until toko-api restarts.
 
-What the process still has open is the only copy of that data, so it is
-saved beside the path first, or, when there is no room there (the whole
-folder deleted), the message says which ``/proc`` file to copy before the
-process ends.
+What the process still has open may be the only copy of that data, so it
+is saved beside the path first, or, when it cannot be written there (the
+whole folder deleted, a full disk), the message says which ``/proc`` file to
+copy before the process ends.
 """
 
 from __future__ import annotations
