@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from jobs.common import JobFailed, run_job
+from jobs.common import JobFailed, require_database, run_job
 from service.settings import Settings
 from service.store.lock import InstanceLock, InstanceLocked
 from service.store.sqlite import connect
@@ -91,8 +91,7 @@ def publish_backup(folder: Path, keep: int, suffix: str, write: Callable[[Path],
 
 
 def make_backup(database: str, folder: Path, keep: int) -> Path:
-    if not Path(database).exists():
-        raise JobFailed(f"no database at {database} (has toko-api ever started?)")
+    require_database(database)
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def write(tmp: Path) -> None:

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from service import __version__
 from service.logs import setup_logging
@@ -15,6 +16,18 @@ from service.settings import ConfigError, Settings
 
 class JobFailed(Exception):
     """A timer job could not do its work; the message is the one line printed."""
+
+
+def require_database(database: str) -> None:
+    """Fail unless the SQLite file exists: opening it would create an empty one.
+
+    A job pointed at the wrong path would otherwise report on, or back up, a
+    database that toko-api never uses, and say all went well.
+    """
+    if not Path(database).exists():
+        raise JobFailed(
+            f"no database at {database} (has toko-api ever started? TOKO_DATABASE names the file)"
+        )
 
 
 def run_job(

@@ -14,7 +14,7 @@ import logging
 import time
 from datetime import date, datetime, timedelta
 
-from jobs.common import JobFailed, run_job
+from jobs.common import JobFailed, require_database, run_job
 from jobs.retention import prune_done_jobs
 from service.settings import Settings
 from service.store import open_store
@@ -65,6 +65,8 @@ async def record(settings: Settings, day: date, now: float | None = None) -> int
 
 def _main(args: argparse.Namespace, settings: Settings) -> int:
     day: date = args.period or (datetime.now().astimezone().date() - timedelta(days=1))
+    if not settings.is_postgres:
+        require_database(settings.database)
     try:
         asyncio.run(record(settings, day))
     except StoreError as exc:

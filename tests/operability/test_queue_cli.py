@@ -11,11 +11,19 @@ import aiohttp
 import pytest
 
 from service import __version__
+from service.store.sqlite import SqliteStore
 from tests.conftest import ServiceFactory
 from tests.operability.cli import run
 from tests.support import db
 from tests.support.api import create_products
 from tests.support.smtp import SmtpServer
+
+
+async def create_database(database: Path) -> None:
+    """An empty, migrated database, as toko-api leaves it after its first start."""
+    store = SqliteStore(str(database))
+    await store.open()
+    await store.close()
 
 
 def permanent_failures(count: int) -> Any:
@@ -125,6 +133,7 @@ async def test_usage_errors_and_env_file(tmp_path: Path) -> None:
     env_file = tmp_path / "toko.env"
     env_file.write_text(f'# comment\n\nTOKO_DATABASE="{database}"\nTOKO_WORKERS=2\n')
     recap_env = {"TOKO_DATABASE": str(database)}
+    await create_database(database)
     created = await run("toko-recap", "--period", "2026-01-01", env=recap_env)
     assert created.returncode == 0, created
     from_file = await run("toko-queue", "--env-file", str(env_file), "stats", "--json")
@@ -142,6 +151,7 @@ async def test_usage_errors_and_env_file(tmp_path: Path) -> None:
 async def test_root_is_refused_on_the_service_users_database(tmp_path: Path) -> None:
     database = tmp_path / "toko.db"
     env = {"TOKO_DATABASE": str(database)}
+    await create_database(database)
     created = await run("toko-recap", "--period", "2026-01-01", env=env)
     assert created.returncode == 0, created
     os.chown(database, 65534, 65534)  # as if toko-api's user owned it
