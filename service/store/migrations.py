@@ -60,7 +60,7 @@ LATEST_VERSION = len(MIGRATIONS)
 def migrate(conn: sqlite3.Connection) -> int:
     """Bring the schema up to date; return the version it was at before."""
     # Read the version inside the write transaction: two processes opening a
-    # new file at once (toko-api and toko-recap at first boot) must not both
+    # new file at once (toko-api and a toko-alert at first boot) must not both
     # decide to create the tables.
     conn.execute("BEGIN IMMEDIATE")
     try:
