@@ -99,6 +99,8 @@ class SmtpMailer:
             username=target.username,
             password=target.password,
             use_tls=target.use_tls,
+            start_tls=target.start_tls,
+            validate_certs=target.verify_certificate,
             timeout=self._timeout,
         )
         try:

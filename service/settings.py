@@ -30,9 +30,32 @@ class SmtpTarget:
     port: int
     username: str | None
     password: str | None = field(repr=False)  # never in logs or tracebacks
-    # smtps:// wraps the whole connection in TLS; smtp:// upgrades with STARTTLS
-    # when the server offers it (aiosmtplib's default).
+    # smtps:// wraps the whole connection in TLS; smtp:// upgrades with STARTTLS.
     use_tls: bool
+
+    @property
+    def logs_in(self) -> bool:
+        return self.username is not None
+
+    @property
+    def start_tls(self) -> bool | None:
+        """STARTTLS on smtp://: required to log in, else used when offered (None)."""
+        if self.use_tls:
+            return None  # already TLS; aiosmtplib refuses True with use_tls
+        return True if self.logs_in else None
+
+    @property
+    def verify_certificate(self) -> bool:
+        """Whether the server's certificate must check out.
+
+        Always for smtps:// and for a login, so that the password only ever
+        reaches the server named in the URL. Not for a plain smtp:// relay:
+        there STARTTLS is opportunistic (RFC 7435), plain text is accepted
+        when the server offers no STARTTLS, so checking the certificate would
+        stop no attacker, only the mail. The usual such relay, a local
+        Postfix, offers STARTTLS with a self-signed certificate.
+        """
+        return self.use_tls or self.logs_in
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,15 @@ Usage::
         await smtp.async_wait_delivered(10, timeout=30)   # 10 distinct Message-IDs
         smtp.delivered()                       # list[SmtpMessage], outcome "delivered"
 
+    SmtpServer(tls=ctx)                        # offers STARTTLS with ctx's certificate
+    SmtpServer(tls=ctx, implicit_tls=True)     # TLS from the first byte (smtps://)
+    SmtpServer(account=("shop", "pw"))         # offers AUTH (over TLS only, unless
+                                               # auth_in_clear=True); url has the user
+
+Each message records whether it came over TLS and as which login; every AUTH
+attempt is recorded in :attr:`SmtpServer.logins`, so a test can tell that a
+password never reached the server.
+
 Every message that reaches the end of DATA is recorded in :attr:`SmtpServer.log`
 (a :class:`~tests.support.recorder.Recorder`) with its outcome, *including*
 rejected ones, so a test can compare the Message-ID of a rejected attempt with
@@ -31,6 +40,7 @@ import dataclasses
 import email
 import email.policy
 import socket
+import ssl
 import threading
 import time
 from collections import Counter
@@ -40,7 +50,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from aiosmtpd.controller import Controller
-from aiosmtpd.smtp import SMTP, Envelope, Session
+from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 
 from tests.support.recorder import Recorder
 
@@ -61,6 +71,8 @@ class SmtpMessage:
     mail_from: str
     raw: bytes = field(repr=False)
     at: float  # time.monotonic() when recorded
+    tls: bool = False  # the session was encrypted (STARTTLS or implicit TLS)
+    login: str | None = None  # the user it authenticated as
 
     @property
     def headers(self) -> email.message.EmailMessage:
@@ -83,7 +95,21 @@ class _Handler:
         self._server = server
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
-        return await self._server._handle(envelope)
+        auth = session.auth_data
+        login = auth.login.decode() if isinstance(auth, LoginPassword) else None
+        return await self._server._handle(envelope, tls=_encrypted(server), login=login)
+
+
+@dataclass(frozen=True)
+class LoginAttempt:
+    user: str
+    accepted: bool
+    tls: bool  # whether the password came over TLS
+
+
+def _encrypted(server: SMTP) -> bool:
+    transport = server.transport
+    return transport is not None and transport.get_extra_info("ssl_object") is not None
 
 
 class _PreboundController(Controller):
@@ -94,19 +120,31 @@ class _PreboundController(Controller):
         super().__init__(handler, hostname="127.0.0.1", port=sock.getsockname()[1], **kwargs)
 
     def _create_server(self) -> Any:
-        return self.loop.create_server(self._factory_invoker, sock=self._sock)
+        return self.loop.create_server(self._factory_invoker, sock=self._sock, ssl=self.ssl_context)
 
 
 class SmtpServer:
     """A switchable, recording SMTP server; a context manager (or start()/stop())."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        tls: ssl.SSLContext | None = None,
+        implicit_tls: bool = False,
+        account: tuple[str, str] | None = None,
+        auth_in_clear: bool = False,
+    ) -> None:
         self._lock = threading.Lock()
         self._behaviour = _Behaviour()
         self.log: Recorder[SmtpMessage] = Recorder("smtp")
         self.arrivals: Recorder[SmtpMessage] = Recorder("smtp arrivals")
+        self.logins: Recorder[LoginAttempt] = Recorder("smtp logins")
         self._controller: _PreboundController | None = None
         self.port = 0
+        self._tls = tls
+        self._implicit_tls = implicit_tls
+        self._account = account
+        self._auth_in_clear = auth_in_clear
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -116,8 +154,19 @@ class SmtpServer:
         sock.bind(("127.0.0.1", 0))
         sock.listen(128)
         self.port = sock.getsockname()[1]
+        options: dict[str, Any] = {}
+        if self._tls is not None:
+            options["ssl_context" if self._implicit_tls else "tls_context"] = self._tls
+        if self._account is not None:
+            options["authenticator"] = self._authenticate
+            # Like a submission server: no mail without a login, no login in
+            # clear. aiosmtpd counts only STARTTLS as TLS, and warns against
+            # requiring a login without TLS: implicit TLS just offers AUTH.
+            guarded = not (self._auth_in_clear or self._implicit_tls)
+            options["auth_require_tls"] = guarded
+            options["auth_required"] = guarded
         self._controller = _PreboundController(
-            _Handler(self), sock, enable_SMTPUTF8=True, decode_data=False
+            _Handler(self), sock, enable_SMTPUTF8=True, decode_data=False, **options
         )
         self._controller.start()
         return self
@@ -141,7 +190,9 @@ class SmtpServer:
     @property
     def url(self) -> str:
         """The value for TOKO_SMTP_URL."""
-        return f"smtp://127.0.0.1:{self.port}"
+        scheme = "smtps" if self._implicit_tls else "smtp"
+        user = f"{self._account[0]}@" if self._account else ""
+        return f"{scheme}://{user}127.0.0.1:{self.port}"
 
     # -- behaviour switches (any thread) -----------------------------------
 
@@ -202,7 +253,16 @@ class SmtpServer:
 
     # -- the SMTP side (aiosmtpd's thread) ---------------------------------
 
-    async def _handle(self, envelope: Envelope) -> str:
+    def _authenticate(
+        self, server: SMTP, session: Session, envelope: Envelope, mechanism: str, auth_data: Any
+    ) -> AuthResult:
+        assert isinstance(auth_data, LoginPassword)
+        attempt = (auth_data.login.decode(), auth_data.password.decode())
+        accepted = attempt == self._account
+        self.logins.append(LoginAttempt(attempt[0], accepted, tls=_encrypted(server)))
+        return AuthResult(success=accepted, auth_data=auth_data if accepted else None)
+
+    async def _handle(self, envelope: Envelope, *, tls: bool, login: str | None) -> str:
         raw = envelope.original_content or b""
         parsed = email.message_from_bytes(raw, policy=email.policy.default)
         message_id = str(parsed.get("Message-ID", "")).strip()
@@ -215,6 +275,8 @@ class SmtpServer:
             mail_from=envelope.mail_from or "",
             raw=raw,
             at=time.monotonic(),
+            tls=tls,
+            login=login,
         )
         self.arrivals.append(arrived)
         with self._lock:

@@ -80,6 +80,23 @@ def test_smtp_url_and_password_from_credentials(tmp_path: Path) -> None:
     assert not s.smtp.use_tls
 
 
+@pytest.mark.parametrize(
+    ("url", "start_tls", "verify"),
+    [
+        ("smtp://relay.lan", None, False),  # a relay: STARTTLS when offered
+        ("smtp://toko@mail.example.com:587", True, True),  # a login: TLS, checked
+        ("smtps://mail.example.com", None, True),
+        ("smtps://toko@mail.example.com", None, True),
+    ],
+)
+def test_smtp_tls_follows_whether_a_password_is_sent(
+    url: str, start_tls: bool | None, verify: bool
+) -> None:
+    smtp = Settings.from_env({"TOKO_SMTP_URL": url}).smtp
+    assert smtp is not None
+    assert (smtp.start_tls, smtp.verify_certificate) == (start_tls, verify)
+
+
 def test_unreadable_password_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="TOKO_SMTP_PASSWORD_FILE"):
         Settings.from_env(
