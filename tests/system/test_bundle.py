@@ -397,6 +397,45 @@ def test_kill9_with_jobs_pending_completes_every_email(
         toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
 
 
+def test_mail_goes_out_through_the_hosts_own_postfix(toko: Deployment) -> None:
+    # Debian's Postfix as installed: "Local only", offering STARTTLS with its
+    # self-signed certificate. toko-api must use it, not refuse it.
+    install = (
+        "echo 'postfix postfix/main_mailer_type select Local only' | debconf-set-selections"
+        " && export DEBIAN_FRONTEND=noninteractive"
+        " && { apt-get install -y -q postfix"
+        " || { apt-get update -q && apt-get install -y -q postfix; }; }"
+    )
+    toko.machine.sh(install, timeout=600)
+    assert toko.machine.run(["postconf", "-h", "smtpd_tls_security_level"]).stdout.strip() == "may"
+    env = "/etc/toko/toko.env"
+    original = toko.machine.run(["cat", env]).stdout
+    toko.machine.sh(
+        f"printf 'TOKO_SMTP_URL=smtp://127.0.0.1\\nTOKO_ADMIN_EMAIL=root@localhost\\n' >> {env}"
+    )
+    try:
+        toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
+        toko.wait_serving()
+        product = toko.post_product("Lewat Postfix")
+
+        def delivered() -> str | None:
+            mbox = toko.machine.run(["cat", "/var/mail/root"], check=False).stdout
+            return next((m for m in mbox.split("\nFrom ") if "Lewat Postfix" in m), None)
+
+        mail = wait_until(delivered, 60, "the email in root's mailbox", step=0.5)
+        assert "Subject: Produk baru: Lewat Postfix" in mail, mail[:2000]
+        # Postfix stamps a session that came over TLS "with ESMTPS".
+        assert "with ESMTPS id" in mail, mail[:2000]
+        jobs = toko.sql(
+            "SELECT state FROM jobs WHERE json_extract(payload, '$.product_id') = ?",
+            (product["id"],),
+        )
+        assert jobs == [("done",)], jobs
+    finally:
+        toko.machine.run(["sh", "-c", f"cat > {env}"], input=original)
+        toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
+
+
 def test_reinstall_upgrades_in_place_and_keeps_data(toko: Deployment) -> None:
     products = toko.sql("SELECT count(*) FROM products")[0][0]
     toko.machine.sh("echo '# kept by the upgrade' >> /etc/toko/toko.env")
