@@ -9,7 +9,7 @@ import sys
 
 from service import __version__
 from service.logs import setup_logging
-from service.settings import ConfigError, Settings
+from service.settings import ConfigError, Settings, check_for_api
 from service.store.base import StoreError
 from service.store.lock import InstanceLock, InstanceLocked
 
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         settings = Settings.from_env(os.environ)
+        check_for_api(settings)
     except ConfigError as exc:
         print(f"toko-api: {exc}", file=sys.stderr)
         return 2

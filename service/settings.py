@@ -251,6 +251,17 @@ def _smtp_from_env(environ: Mapping[str, str]) -> SmtpTarget | None:
     )
 
 
+def check_for_api(settings: Settings) -> None:
+    """What only toko-api needs. The timer jobs load the same settings but send
+    no mail, so they are not given the SMTP credential."""
+    smtp = settings.smtp
+    if smtp is not None and smtp.logs_in and smtp.password is None:
+        raise ConfigError(
+            f"TOKO_SMTP_URL logs in as {smtp.username!r}, but no password was given "
+            "(the systemd credential 'smtp-password' or TOKO_SMTP_PASSWORD_FILE)"
+        )
+
+
 def _smtp_password(environ: Mapping[str, str]) -> str | None:
     return _secret_file(environ, "TOKO_SMTP_PASSWORD_FILE", "smtp-password")
 

@@ -383,3 +383,14 @@ def test_check_config(tmp_path: Path) -> None:
     bad = _run_cli(str(TOKO_API), "--check-config", env={**env, "TOKO_WORKERS": "abc"})
     assert bad.returncode == 2, bad
     assert "TOKO_WORKERS" in bad.stderr
+    # A login without its password would fail every email; toko-api alone
+    # needs it (the timer jobs send no mail and are not given it).
+    login = {**env, "TOKO_SMTP_URL": "smtp://toko@mail.example.com:587"}
+    no_password = _run_cli(str(TOKO_API), "--check-config", env=login)
+    assert no_password.returncode == 2, no_password
+    (line,) = no_password.stderr.splitlines()
+    assert line.startswith("toko-api: TOKO_SMTP_URL") and "smtp-password" in line, line
+    password = tmp_path / "smtp-password"
+    password.write_text("s3cret\n")
+    with_password = {**login, "TOKO_SMTP_PASSWORD_FILE": str(password)}
+    assert _run_cli(str(TOKO_API), "--check-config", env=with_password).returncode == 0
