@@ -8,11 +8,14 @@ and the ones that change the configuration put it back.
 from __future__ import annotations
 
 import re
+import secrets
+import ssl
 import threading
 import time
 from typing import Any
 
 import pytest
+import trustme
 
 from tests.support.smtp import SmtpServer
 from tests.system.deployment import INSTALLED_UNITS, Deployment
@@ -434,6 +437,49 @@ def test_mail_goes_out_through_the_hosts_own_postfix(toko: Deployment) -> None:
     finally:
         toko.machine.run(["sh", "-c", f"cat > {env}"], input=original)
         toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
+
+
+def test_mail_to_a_provider_logs_in_with_the_credential_over_checked_tls(
+    toko: Deployment,
+) -> None:
+    # The README's recipe for a provider: a user in TOKO_SMTP_URL, the password
+    # as a systemd credential, the provider's CA in the system's store.
+    ca = trustme.CA()
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(tls)
+    password = "provider-" + secrets.token_hex(8)
+    env = "/etc/toko/toko.env"
+    original = toko.machine.run(["cat", env]).stdout
+    anchor = "/usr/local/share/ca-certificates/toko-test-provider.crt"
+    drop_in = "/etc/systemd/system/toko-api.service.d/smtp-password.conf"
+    with SmtpServer(tls=tls, account=("toko", password)) as provider:
+        toko.machine.write(anchor, ca.cert_pem.bytes().decode())
+        toko.machine.run(["update-ca-certificates"])
+        toko.machine.write("/etc/toko/smtp-password", password + "\n", mode=0o600)
+        toko.machine.write(
+            drop_in, "[Service]\nLoadCredential=smtp-password:/etc/toko/smtp-password\n"
+        )
+        toko.machine.sh(
+            f"printf 'TOKO_SMTP_URL={provider.url}\\nTOKO_ADMIN_EMAIL=owner@shop.test\\n' >> {env}"
+        )
+        try:
+            toko.machine.run(["systemctl", "daemon-reload"])
+            toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
+            toko.wait_serving()
+            toko.post_product("Lewat penyedia")
+            provider.wait_delivered(1, timeout=60)
+            (message,) = provider.delivered()
+            assert message.tls and message.login == "toko", message
+            assert message.to == ("owner@shop.test",)
+            assert [(a.accepted, a.tls) for a in provider.logins.snapshot()] == [(True, True)]
+            journal = toko.machine.run(["journalctl", "-o", "json", "--no-pager"]).stdout
+            assert password not in journal
+        finally:
+            toko.machine.run(["rm", "-f", anchor, drop_in, "/etc/toko/smtp-password"])
+            toko.machine.run(["update-ca-certificates", "--fresh"])
+            toko.machine.run(["sh", "-c", f"cat > {env}"], input=original)
+            toko.machine.run(["systemctl", "daemon-reload"])
+            toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
 
 
 def test_reinstall_upgrades_in_place_and_keeps_data(toko: Deployment) -> None:
