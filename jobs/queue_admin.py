@@ -6,7 +6,8 @@ environment: /etc/toko/toko.env when it exists and TOKO_DATABASE is not set
 ``sudo -u toko toko-queue stats``. A retried job runs at the running
 toko-api's next sweep (within a second).
 
-Exit status: 0 done, 1 failed (unknown job, job not failed, store error),
+Exit status: 0 done, 1 failed (unknown job, job neither failed nor waiting,
+store error),
 2 bad usage or configuration.
 """
 
@@ -30,7 +31,7 @@ from service.durations import parse_duration
 from service.models import JOB_STATES, iso_utc
 from service.settings import ConfigError, Settings
 from service.store import open_store
-from service.store.admin import QueueAdmin
+from service.store.admin import QueueAdmin, Retryable
 from service.store.base import Store, StoreError
 from service.validation import ID_MAX, ascii_int
 
@@ -99,11 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", parents=[common], help="one job in full")
     show.add_argument("id", type=_job_id, metavar="ID")
     retry = sub.add_parser(
-        "retry", parents=[common], help="run failed jobs again with a fresh attempt budget"
+        "retry",
+        parents=[common],
+        help="run failed jobs, or jobs waiting to retry, now with a fresh attempt budget",
     )
     which = retry.add_mutually_exclusive_group(required=True)
     which.add_argument("ids", type=_job_id, nargs="*", default=[], metavar="ID")
     which.add_argument("--all-failed", action="store_true", help="every failed job")
+    which.add_argument(
+        "--all-waiting",
+        action="store_true",
+        help="every pending job that failed before and waits for its next attempt",
+    )
     purge = sub.add_parser("purge", parents=[common], help="delete old done jobs")
     purge.add_argument(
         "--done-older-than",
@@ -136,21 +144,24 @@ async def show(admin: QueueAdmin, args: argparse.Namespace, now: float) -> Outpu
 
 
 async def retry(admin: QueueAdmin, args: argparse.Namespace, now: float) -> Output:
-    if args.all_failed:
-        retried = await admin.retry_failed(None)
-        text = f"retried {len(retried)} failed job(s)" + (
+    if args.all_failed or args.all_waiting:
+        which: Retryable = "failed" if args.all_failed else "waiting"
+        retried = await admin.retry_now(None, which)
+        text = f"retried {len(retried)} {which} job(s)" + (
             f": {', '.join(map(str, retried))}" if retried else ""
         )
         return {"retried": retried}, text
     wanted = sorted(set(args.ids))
-    retried = await admin.retry_failed(wanted)
+    retried = await admin.retry_now(wanted, "failed")
+    retried = sorted(retried + await admin.retry_now(sorted(set(wanted) - set(retried)), "waiting"))
     refused = []
     for job_id in sorted(set(wanted) - set(retried)):
         details = await admin.job_details(job_id)
         refused.append({"id": job_id, "state": details.job.state if details else None})
     if refused:
         why = "; ".join(
-            f"job {r['id']} " + (f"is {r['state']}, not failed" if r["state"] else "does not exist")
+            f"job {r['id']} "
+            + (f"is {r['state']}, not failed or waiting" if r["state"] else "does not exist")
             for r in refused
         )
         done = f" (retried: {', '.join(map(str, retried))})" if retried else ""

@@ -22,8 +22,9 @@ configuration comes from the environment (under systemd: /etc/toko/toko.env):
   TOKO_ADMIN_EMAIL       who gets the emails (default admin@toko.com)
   TOKO_MAIL_FROM         sender address (default toko@localhost)
   TOKO_WORKERS           concurrent job workers (default 3)
-  TOKO_JOB_MAX_ATTEMPTS  attempts before a job is kept as failed (default 5)
-  TOKO_JOB_BACKOFF       base seconds of the exponential retry backoff (default 2)
+  TOKO_JOB_MAX_ATTEMPTS  attempts before a job is kept as failed (default 20)
+  TOKO_JOB_BACKOFF       base seconds of the exponential retry backoff (default 2;
+                         with 20 attempts, 4.6 to 9 hours of retries)
   TOKO_JOB_TIMEOUT       seconds one attempt may take (default 30)
   TOKO_DRAIN_TIMEOUT     seconds running jobs get to finish on stop (default 10)
   TOKO_CLIENT_TIMEOUT    seconds a client has to send a request, then its body (default 75)

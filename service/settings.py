@@ -69,7 +69,10 @@ class Settings:
     admin_email: str = "admin@toko.com"
     mail_from: str = "toko@localhost"
     workers: int = 3
-    job_max_attempts: int = 5
+    # With the default backoff, between 4.6 and 9 hours of retries (the delay
+    # doubles from 2 s up to an hour): a mail outage of a few hours ends with
+    # every email delivered, not kept as failed for someone to retry by hand.
+    job_max_attempts: int = 20
     job_backoff: float = 2.0
     job_timeout: float = 30.0
     drain_timeout: float = 10.0
@@ -117,7 +120,7 @@ class Settings:
             admin_email=env.get("TOKO_ADMIN_EMAIL", _parse_email, "admin@toko.com"),
             mail_from=env.get("TOKO_MAIL_FROM", _parse_email, "toko@localhost"),
             workers=env.get("TOKO_WORKERS", _int_between(1, 256), 3),
-            job_max_attempts=env.get("TOKO_JOB_MAX_ATTEMPTS", _int_between(1, 100), 5),
+            job_max_attempts=env.get("TOKO_JOB_MAX_ATTEMPTS", _int_between(1, 100), 20),
             job_backoff=env.get("TOKO_JOB_BACKOFF", _seconds(0.0, 3600.0), 2.0),
             job_timeout=env.get("TOKO_JOB_TIMEOUT", _seconds(0.1, 3600.0), 30.0),
             drain_timeout=env.get("TOKO_DRAIN_TIMEOUT", _seconds(0.0, 3600.0), 10.0),

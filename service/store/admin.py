@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from service.models import Job, JobState, QueueCounts, iso_utc
 
@@ -54,6 +54,15 @@ class QueueStats:
         }
 
 
+# What an admin can send again now: jobs kept as failed, or pending jobs that
+# failed before and wait for their next attempt (up to an hour away).
+Retryable = Literal["failed", "waiting"]
+RETRYABLE_WHERE: dict[Retryable, str] = {
+    "failed": "state = 'failed'",
+    "waiting": "state = 'pending' AND attempts > 0",
+}
+
+
 @runtime_checkable
 class QueueAdmin(Protocol):
     async def queue_stats(self) -> QueueStats: ...
@@ -63,10 +72,10 @@ class QueueAdmin(Protocol):
 
     async def job_details(self, job_id: int) -> JobDetails | None: ...
 
-    async def retry_failed(self, job_ids: Sequence[int] | None) -> list[int]:
-        """Failed jobs (these, or all when None) back to pending, attempts reset, due now.
+    async def retry_now(self, job_ids: Sequence[int] | None, which: Retryable) -> list[int]:
+        """``which`` jobs (these, or all when None) pending and due now, attempts reset.
 
-        Returns the ids that were failed and are now pending; others are untouched.
+        Returns the ids that were ``which`` and are now due; others are untouched.
         """
 
     async def purge_done(self, older_than: float, chunk: int = 1000) -> int:

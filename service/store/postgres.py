@@ -40,7 +40,7 @@ import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 
 from service.logs import Throttle
 from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts, job_from_row
-from service.store.admin import JobDetails, QueueStats
+from service.store.admin import RETRYABLE_WHERE, JobDetails, QueueStats, Retryable
 from service.store.base import StoreError, WriteHealth
 from service.store.pg_migrations import JOBS_CHANNEL, RECAP_LOCK_CLASS, SchemaTooNew, migrate
 
@@ -794,7 +794,7 @@ class PostgresStore:
         )
         return _details_from_row(row) if row else None
 
-    async def retry_failed(self, job_ids: Sequence[int] | None) -> list[int]:
+    async def retry_now(self, job_ids: Sequence[int] | None, which: Retryable) -> list[int]:
         # attempts = 0: an admin's retry gets the full attempt budget again;
         # last_error stays as the history of why it had failed. The jobs are
         # due now, so every instance hears of them (NOTIFY, same transaction).
@@ -803,7 +803,8 @@ class PostgresStore:
             WITH retried AS (
                 UPDATE jobs SET state = 'pending', attempts = 0, run_at = $2,
                        lease_until = NULL, updated_at = $2
-                 WHERE state = 'failed' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+                 WHERE {RETRYABLE_WHERE[which]}
+                   AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
                 RETURNING id
             ), told AS (
                 SELECT pg_notify('{JOBS_CHANNEL}', '') WHERE EXISTS (SELECT 1 FROM retried)

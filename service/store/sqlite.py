@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts, job_from_row
-from service.store.admin import JobDetails, QueueStats
+from service.store.admin import RETRYABLE_WHERE, JobDetails, QueueStats, Retryable
 from service.store.base import StoreError, WriteHealth
 from service.store.file_guard import FileGuard
 from service.store.group_commit import BatchFn, GroupCommitWriter
@@ -359,9 +359,9 @@ class SqliteStore:
 
         return await self._read(read)
 
-    async def retry_failed(self, job_ids: Sequence[int] | None) -> list[int]:
+    async def retry_now(self, job_ids: Sequence[int] | None, which: Retryable) -> list[int]:
         ids = None if job_ids is None else list(job_ids)
-        return await self._write(_retry_failed, (ids, self._clock()))
+        return await self._write(_retry_now, (ids, RETRYABLE_WHERE[which], self._clock()))
 
     async def purge_done(self, older_than: float, chunk: int = 1000) -> int:
         # Chunks, each its own commit: toko-recap purges while toko-api writes,
@@ -611,28 +611,26 @@ def _record_recap(conn: sqlite3.Connection, items: list[RecapArg]) -> list[int |
     return results
 
 
-RetryArg = tuple[list[int] | None, float]
+RetryArg = tuple[list[int] | None, str, float]
 
 
-def _retry_failed(conn: sqlite3.Connection, items: list[RetryArg]) -> list[list[int]]:
+def _retry_now(conn: sqlite3.Connection, items: list[RetryArg]) -> list[list[int]]:
     # attempts = 0: an admin's retry gets the full attempt budget again;
-    # last_error stays as the history of why it had failed.
+    # last_error stays as the history of why it had failed. ``where`` is one
+    # of RETRYABLE_WHERE's constants, never input.
     results = []
-    for ids, now in items:
+    for ids, where, now in items:
+        update = (
+            "UPDATE jobs SET state = 'pending', attempts = 0, run_at = ?, "
+            f"lease_until = NULL, updated_at = ? WHERE {where}"
+        )
         if ids is None:
-            rows = conn.execute(
-                "UPDATE jobs SET state = 'pending', attempts = 0, run_at = ?, "
-                "lease_until = NULL, updated_at = ? WHERE state = 'failed' RETURNING id",
-                (now, now),
-            ).fetchall()
+            rows = conn.execute(f"{update} RETURNING id", (now, now)).fetchall()
         else:
             rows = []
             for chunk in _ids_in_chunks(ids):
                 rows += conn.execute(
-                    "UPDATE jobs SET state = 'pending', attempts = 0, run_at = ?, "
-                    "lease_until = NULL, updated_at = ? "
-                    f"WHERE state = 'failed' AND id IN ({', '.join('?' * len(chunk))}) "
-                    "RETURNING id",
+                    f"{update} AND id IN ({', '.join('?' * len(chunk))}) RETURNING id",
                     [now, now, *chunk],
                 ).fetchall()
         results.append(sorted(row[0] for row in rows))

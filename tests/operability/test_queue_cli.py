@@ -26,9 +26,9 @@ async def create_database(database: Path) -> None:
     await store.close()
 
 
-def permanent_failures(count: int) -> Any:
+def logged(message: str, count: int) -> Any:
     def predicate(records: Sequence[dict[str, Any]]) -> bool:
-        return sum(r.get("message") == "job failed permanently" for r in records) >= count
+        return sum(r.get("message") == message for r in records) >= count
 
     return predicate
 
@@ -42,7 +42,9 @@ async def test_retry_all_failed_gets_them_delivered(
     env = {"TOKO_DATABASE": str(svc.database)}
     async with aiohttp.ClientSession() as session:
         await create_products(session, svc.base_url, ["Gagal 1", "Gagal 2", "Gagal 3", "Teh"])
-    await svc.logs.async_wait_for(permanent_failures(3), timeout=30, what="3 failed jobs")
+    await svc.logs.async_wait_for(
+        logged("job failed permanently", 3), timeout=30, what="3 failed jobs"
+    )
     await smtp.async_wait_delivered(1, timeout=10)  # "Teh" went through
 
     stats = await run("toko-queue", "stats", "--json", env=env)
@@ -87,6 +89,31 @@ async def test_retry_all_failed_gets_them_delivered(
     again = await run("toko-queue", "retry", str(failed_ids[0]), env=env)
     assert again.returncode == 1
     assert f"job {failed_ids[0]} is" in again.stderr and "not failed" in again.stderr
+
+
+async def test_retry_all_waiting_sends_now_what_waits_for_its_next_attempt(
+    service_factory: ServiceFactory, smtp: SmtpServer
+) -> None:
+    smtp.fail_next(3)  # a short mail outage: each first attempt gets a 451
+    svc = service_factory({"TOKO_SMTP_URL": smtp.url, "TOKO_JOB_BACKOFF": "600"}).start()
+    await svc.async_wait_ready(timeout=20)
+    env = {"TOKO_DATABASE": str(svc.database)}
+    async with aiohttp.ClientSession() as session:
+        await create_products(session, svc.base_url, ["Tunggu 1", "Tunggu 2", "Tunggu 3"])
+    await svc.logs.async_wait_for(
+        logged("job failed, will retry", 3), timeout=20, what="3 retries scheduled"
+    )
+    # Their next attempts are 5 to 10 minutes away; the server is back already.
+    listed = await run("toko-queue", "list", "--state", "pending", "--json", env=env)
+    assert [job["attempts"] for job in listed.json()] == [1, 1, 1], listed.json()
+    waiting = sorted(job["id"] for job in listed.json())
+
+    retried = await run("toko-queue", "retry", "--all-waiting", "--json", env=env)
+    assert retried.returncode == 0, retried
+    assert retried.json() == {"retried": waiting}
+    delivered = await smtp.async_wait_delivered(3, timeout=15)
+    assert {m.message_id for m in smtp.messages("tempfailed")} == delivered
+    assert db.job_states(svc.database).get("pending", 0) == 0
 
 
 async def test_purge_keeps_recent_done_jobs(

@@ -59,11 +59,11 @@ async def test_stats_list_details_and_retry_of_failed_jobs(
         async with asyncio.timeout(5):
             await heard.wait()  # listening
         heard.clear()
-        assert await store.retry_failed([ids[1], 99_999]) == [ids[1]]
+        assert await store.retry_now([ids[1], 99_999], "failed") == [ids[1]]
         async with asyncio.timeout(5):
             await heard.wait()  # another instance hears that a job is due
-        assert sorted(await store.retry_failed(None)) == [ids[0], ids[2]]
-        assert await store.retry_failed(None) == []
+        assert sorted(await store.retry_now(None, "failed")) == [ids[0], ids[2]]
+        assert await store.retry_now(None, "failed") == []
     finally:
         await other.close()
     rows = await fetch(

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from service.models import NewJob, Product
+from service.store.admin import QueueAdmin
 from service.store.base import Store, StoreError
 from service.store.group_commit import GroupCommitWriter
 from service.store.migrations import LATEST_VERSION, MIGRATIONS, migrate
@@ -329,6 +330,26 @@ async def test_retry_waits_until_due(store: Store, clock: FakeClock) -> None:
     clock.now += 10
     (again,) = await store.claim(1, 60)
     assert again.attempts == 2 and again.last_error == "SMTP 451: try later"
+
+
+async def test_an_admin_sends_jobs_waiting_to_retry_now(store: Store, clock: FakeClock) -> None:
+    assert isinstance(store, QueueAdmin)
+    waiting = await store.enqueue(NewJob("k", {}, 20))
+    (job,) = await store.claim(1, 60)
+    await store.retry(job.id, "SMTP 535: bad password", clock.now + 3600)
+    fresh = await store.enqueue(NewJob("k", {}, 20))  # never tried: not "waiting"
+    failed = await store.enqueue(NewJob("k", {}, 1))
+    await store.claim(5, 60)  # takes the two due ones
+    await store.fail(failed, "SMTP 550: no such user")
+    await store.release([fresh])
+
+    assert await store.retry_now([waiting, fresh, failed], "waiting") == [waiting]
+    assert await store.retry_now(None, "waiting") == []
+    # Due now, not in an hour, with a fresh attempt budget (fresh was released).
+    due = {job.id: job for job in await store.claim(5, 60)}
+    assert sorted(due) == sorted([waiting, fresh])
+    assert due[waiting].attempts == 1 and due[waiting].last_error == "SMTP 535: bad password"
+    assert (await store.get_job(failed)).state == "failed"  # type: ignore[union-attr]
 
 
 async def test_fail_keeps_a_dead_letter(store: Store) -> None:

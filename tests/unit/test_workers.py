@@ -10,6 +10,7 @@ import pytest
 from service import workers
 from service.mail import Email
 from service.models import Job, NewJob, leased_job
+from service.settings import Settings
 from service.store.base import Store, StoreError
 from service.tasks import JobContext
 from service.workers import PoolConfig, WorkerPool, backoff_delay
@@ -446,6 +447,23 @@ def test_backoff_grows_exponentially_with_jitter() -> None:
         delays = [backoff_delay(attempt, 2.0, 3600.0, rng) for _ in range(200)]
         assert all(base / 2 <= d <= base for d in delays)
         assert max(delays) - min(delays) > base / 4, "no jitter"
+
+
+class LowestJitter(random.Random):
+    """Every jitter at its low end: the shortest schedule the retries can take."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return a
+
+
+def test_default_retries_outlast_a_mail_outage_of_hours() -> None:
+    # The settings toko-api starts with when nothing is configured.
+    settings = Settings.from_env({})
+    shortest = sum(
+        backoff_delay(attempt, settings.job_backoff, workers.MAX_BACKOFF_SECONDS, LowestJitter())
+        for attempt in range(1, settings.job_max_attempts)  # the delays between attempts
+    )
+    assert shortest > 4 * 3600, shortest
 
 
 class PausedClaims:
