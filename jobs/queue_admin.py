@@ -7,8 +7,7 @@ environment: /etc/toko/toko.env when it exists and TOKO_DATABASE is not set
 toko-api's next sweep (within a second).
 
 Exit status: 0 done, 1 failed (unknown job, job neither failed nor waiting,
-store error),
-2 bad usage or configuration.
+store error), 2 bad usage or configuration.
 """
 
 from __future__ import annotations
