@@ -51,11 +51,13 @@ def jobs_text(jobs: Sequence[JobDetails]) -> str:
             d.job.state,
             f"{d.job.attempts}/{d.job.max_attempts}",
             iso_utc(d.updated_at),
+            # When a pending job runs (next): a waiting one's next attempt.
+            iso_utc(d.job.run_at) if d.job.state == "pending" else "-",
             _short(d.job.last_error),
         )
         for d in jobs
     ]
-    return table(["ID", "KIND", "STATE", "ATTEMPTS", "UPDATED", "LAST ERROR"], rows)
+    return table(["ID", "KIND", "STATE", "ATTEMPTS", "UPDATED", "DUE", "LAST ERROR"], rows)
 
 
 def job_text(details: JobDetails) -> str:

@@ -107,6 +107,11 @@ async def test_retry_all_waiting_sends_now_what_waits_for_its_next_attempt(
     listed = await run("toko-queue", "list", "--state", "pending", "--json", env=env)
     assert [job["attempts"] for job in listed.json()] == [1, 1, 1], listed.json()
     waiting = sorted(job["id"] for job in listed.json())
+    table = await run("toko-queue", "list", "--state", "pending", env=env)
+    header, *rows = table.stdout.splitlines()
+    assert header.split()[4:6] == ["UPDATED", "DUE"], header
+    # DUE is the next attempt's time (ISO, UTC), after UPDATED: the backoff.
+    assert all(row.split()[5] > row.split()[4] for row in rows), table.stdout
 
     retried = await run("toko-queue", "retry", "--all-waiting", "--json", env=env)
     assert retried.returncode == 0, retried
