@@ -30,6 +30,7 @@ import contextlib
 import functools
 import json
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -72,6 +73,9 @@ _CONNECTION_ERRORS = (
     asyncpg.exceptions.OperatorInterventionError,
 )
 _DB_ERRORS = (asyncpg.PostgresError, *_CONNECTION_ERRORS)
+# Connection errors that waiting cannot fix: the URL's TLS settings (a missing
+# sslrootcert file) or a server certificate that does not check out.
+_MISCONFIGURED = (asyncpg.ClientConfigurationError, ssl.SSLCertVerificationError)
 
 
 def redact(url: str) -> str:
@@ -197,12 +201,15 @@ class PostgresStore:
     async def _first_connection(self) -> asyncpg.Connection:
         # At boot the database (or the network to it) may come up after us:
         # keep trying for a while rather than fail and hit systemd's start
-        # limit. Refusals (bad password, no such database) fail at once.
+        # limit. Refusals (bad password, no such database) and TLS settings
+        # that cannot work fail at once.
         deadline = time.monotonic() + OPEN_RETRY_SECONDS
         delay = 0.25
         while True:
             try:
                 return await asyncpg.connect(**self._connect_kwargs(), timeout=COMMAND_TIMEOUT)
+            except _MISCONFIGURED:
+                raise
             except _CONNECTION_ERRORS as exc:
                 if time.monotonic() + delay > deadline:
                     raise
@@ -227,7 +234,9 @@ class PostgresStore:
         except SchemaTooNew as exc:
             raise StoreError(str(exc)) from exc
         except (*_DB_ERRORS, ValueError) as exc:
-            raise StoreError(f"cannot open database {redact(self.url)}: {exc}") from exc
+            # One line: asyncpg puts its HINT on a line of its own.
+            why = " ".join(str(exc).split())
+            raise StoreError(f"cannot open database {redact(self.url)}: {why}") from exc
         self._writer = asyncio.create_task(self._write_loop(), name="toko-pg-writer")
 
     async def close(self) -> None:

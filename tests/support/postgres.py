@@ -86,7 +86,10 @@ def _run_as() -> pwd.struct_passwd | None:
 
 
 class PostgresCluster:
-    def __init__(self) -> None:
+    """``tls=(certificate chain PEM, private key PEM)`` also serves TLS (``ssl=on``)."""
+
+    def __init__(self, tls: tuple[bytes, bytes] | None = None) -> None:
+        self._tls = tls
         self.bindir = server_bindir()
         self.folder = Path(tempfile.mkdtemp(prefix="toko-pg-"))
         self.datadir = self.folder / "data"
@@ -129,6 +132,7 @@ class PostgresCluster:
             pwfile.unlink(missing_ok=True)
         options = " ".join(
             [
+                *self._tls_options(),
                 f"-c port={self.port}",
                 f"-c listen_addresses={self.host}",
                 f"-c unix_socket_directories={self.folder}",
@@ -153,6 +157,19 @@ class PostgresCluster:
         )
         self._started = True
         return self
+
+    def _tls_options(self) -> list[str]:
+        if self._tls is None:
+            return []
+        chain, key = self._tls
+        cert_file, key_file = self.folder / "server.crt", self.folder / "server.key"
+        cert_file.write_bytes(chain)
+        key_file.write_bytes(key)
+        key_file.chmod(0o600)  # the server refuses a key others can read
+        if self._account is not None:
+            for path in (cert_file, key_file):
+                os.chown(path, self._account.pw_uid, self._account.pw_gid)
+        return ["-c ssl=on", f"-c ssl_cert_file={cert_file}", f"-c ssl_key_file={key_file}"]
 
     def stop(self) -> None:
         """Stop the server (immediate: nothing here needs a clean shutdown) and remove it."""
