@@ -216,6 +216,34 @@ def test_backup_by_hand_is_verified(toko: Deployment) -> None:
     assert toko.sql_at(path, "SELECT count(*) FROM products WHERE nama = 'Gula Aren'") == [(1,)]
 
 
+def test_backups_outside_the_state_directory_with_the_readmes_drop_in(toko: Deployment) -> None:
+    # The sandbox makes everything outside /var/lib/toko read-only; the README's
+    # drop-in (ReadWritePaths=) and TOKO_BACKUP_DIR open one folder for backups.
+    env = "/etc/toko/toko.env"
+    original = toko.machine.run(["cat", env]).stdout
+    drop_in = "/etc/systemd/system/toko-backup.service.d/backup-dir.conf"
+    toko.machine.run(
+        ["install", "-d", "-o", "toko", "-g", "toko", "-m", "0700", "/srv/toko-backups"]
+    )
+    toko.machine.write(drop_in, "[Service]\nReadWritePaths=/srv/toko-backups\n")
+    toko.machine.sh(f"echo 'TOKO_BACKUP_DIR=/srv/toko-backups' >> {env}")
+    try:
+        toko.machine.run(["systemctl", "daemon-reload"])
+        since = toko.now()
+        toko.machine.run(["systemctl", "start", "toko-backup.service"], timeout=300)
+        assert toko.show("toko-backup.service", "Result") == "success", toko.messages(
+            "toko-backup", since
+        )
+        (path,) = toko.machine.run(["ls", "/srv/toko-backups"]).stdout.split()
+        full = f"/srv/toko-backups/{path}"
+        assert toko.machine.run(["stat", "-c", "%a %U", full]).stdout.split() == ["600", "toko"]
+        assert toko.sql_at(full, "PRAGMA integrity_check") == [("ok",)]
+    finally:
+        toko.machine.run(["sh", "-c", f"cat > {env}"], input=original)
+        toko.machine.run(["rm", "-rf", drop_in, "/srv/toko-backups"])
+        toko.machine.run(["systemctl", "daemon-reload"])
+
+
 # The README's way to run a toko command by hand: as toko, with the service's settings.
 AS_SERVICE = (
     "systemd-run --pipe --wait --quiet --uid=toko -p StateDirectory=toko "
