@@ -7,10 +7,12 @@ the SQLite database read as the ``toko`` user.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ INSTALLED_UNITS = (
     "toko-alert@.service",
 )
 TOKEN_FILE = "/etc/toko/api-token"
+ENV_FILE = "/etc/toko/toko.env"
 
 
 def checkout_files() -> list[str]:
@@ -147,6 +150,20 @@ class Deployment:
             return pid if ok else None
 
         return wait_until(serving, timeout, "toko-api to be active and healthy")
+
+    @contextlib.contextmanager
+    def settings_added(self, *lines: str, restart: bool = False) -> Iterator[None]:
+        """``lines`` appended to toko.env, as an admin would; the file as it was
+        afterwards, and with ``restart`` toko-api restarted to read it again."""
+        original = self.machine.run(["cat", ENV_FILE]).stdout
+        added = "".join(f"{line}\n" for line in lines)
+        self.machine.run(["sh", "-c", f"cat >> {ENV_FILE}"], input=added)
+        try:
+            yield
+        finally:
+            self.machine.run(["sh", "-c", f"cat > {ENV_FILE}"], input=original)
+            if restart:
+                self.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
 
     def ensure_running(self) -> None:
         """Start toko-api if an earlier test left it stopped or failed.

@@ -114,12 +114,9 @@ def test_runs_unprivileged_and_confined(toko: Deployment) -> None:
 
 
 def test_bad_config_fails_once_with_one_clear_line(toko: Deployment) -> None:
-    env = "/etc/toko/toko.env"
-    original = toko.machine.run(["cat", env]).stdout
     restarts = toko.n_restarts()
     since = toko.now()
-    toko.machine.sh(f"echo 'TOKO_WORKERS=abc' >> {env}")
-    try:
+    with toko.settings_added("TOKO_WORKERS=abc"):
         proc = toko.machine.run(["systemctl", "restart", "toko-api.service"], check=False)
         assert proc.returncode != 0
         assert toko.show("toko-api.service", "Result") == "exit-code"
@@ -128,8 +125,6 @@ def test_bad_config_fails_once_with_one_clear_line(toko: Deployment) -> None:
         assert toko.n_restarts() == restarts
         lines = [m for m in toko.messages("toko-api", since) if "TOKO_WORKERS" in m]
         assert lines, toko.messages("toko-api", since)
-    finally:
-        toko.machine.run(["sh", "-c", f"cat > {env}"], input=original)
     toko.ensure_running()
 
 
@@ -219,29 +214,27 @@ def test_backup_by_hand_is_verified(toko: Deployment) -> None:
 def test_backups_outside_the_state_directory_with_the_readmes_drop_in(toko: Deployment) -> None:
     # The sandbox makes everything outside /var/lib/toko read-only; the README's
     # drop-in (ReadWritePaths=) and TOKO_BACKUP_DIR open one folder for backups.
-    env = "/etc/toko/toko.env"
-    original = toko.machine.run(["cat", env]).stdout
     drop_in = "/etc/systemd/system/toko-backup.service.d/backup-dir.conf"
     toko.machine.run(
         ["install", "-d", "-o", "toko", "-g", "toko", "-m", "0700", "/srv/toko-backups"]
     )
     toko.machine.write(drop_in, "[Service]\nReadWritePaths=/srv/toko-backups\n")
-    toko.machine.sh(f"echo 'TOKO_BACKUP_DIR=/srv/toko-backups' >> {env}")
-    try:
-        toko.machine.run(["systemctl", "daemon-reload"])
-        since = toko.now()
-        toko.machine.run(["systemctl", "start", "toko-backup.service"], timeout=300)
-        assert toko.show("toko-backup.service", "Result") == "success", toko.messages(
-            "toko-backup", since
-        )
-        (path,) = toko.machine.run(["ls", "/srv/toko-backups"]).stdout.split()
-        full = f"/srv/toko-backups/{path}"
-        assert toko.machine.run(["stat", "-c", "%a %U", full]).stdout.split() == ["600", "toko"]
-        assert toko.sql_at(full, "PRAGMA integrity_check") == [("ok",)]
-    finally:
-        toko.machine.run(["sh", "-c", f"cat > {env}"], input=original)
-        toko.machine.run(["rm", "-rf", drop_in, "/srv/toko-backups"])
-        toko.machine.run(["systemctl", "daemon-reload"])
+    with toko.settings_added("TOKO_BACKUP_DIR=/srv/toko-backups"):
+        try:
+            toko.machine.run(["systemctl", "daemon-reload"])
+            since = toko.now()
+            toko.machine.run(["systemctl", "start", "toko-backup.service"], timeout=300)
+            assert toko.show("toko-backup.service", "Result") == "success", toko.messages(
+                "toko-backup", since
+            )
+            (path,) = toko.machine.run(["ls", "/srv/toko-backups"]).stdout.split()
+            full = f"/srv/toko-backups/{path}"
+            mode = toko.machine.run(["stat", "-c", "%a %U", full]).stdout.split()
+            assert mode == ["600", "toko"]
+            assert toko.sql_at(full, "PRAGMA integrity_check") == [("ok",)]
+        finally:
+            toko.machine.run(["rm", "-rf", drop_in, "/srv/toko-backups"])
+            toko.machine.run(["systemctl", "daemon-reload"])
 
 
 # The README's way to run a toko command by hand: as toko, with the service's settings.
@@ -394,13 +387,10 @@ def test_restart_under_load_refuses_nothing(toko: Deployment) -> None:
 def test_kill9_with_jobs_pending_completes_every_email(
     toko: Deployment, smtp_server: SmtpServer
 ) -> None:
-    env = "/etc/toko/toko.env"
-    original = toko.machine.run(["cat", env]).stdout
     # An admin points toko at a mail server: a slow one, so jobs are in flight.
     smtp_server.reset()
     smtp_server.set_delay(60)
-    toko.machine.sh(f"echo 'TOKO_SMTP_URL={smtp_server.url}' >> {env}")
-    try:
+    with toko.settings_added(f"TOKO_SMTP_URL={smtp_server.url}", restart=True):
         toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
         toko.wait_serving()
         ids = [toko.post_product(f"Tertunda {i}")["id"] for i in range(20)]
@@ -423,9 +413,6 @@ def test_kill9_with_jobs_pending_completes_every_email(
 
         wait_until(all_done, 240, "every product_email job to be done", step=1)
         assert len(smtp_server.delivered_ids()) >= len(ids)
-    finally:
-        toko.machine.run(["sh", "-c", f"cat > {env}"], input=original)
-        toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
 
 
 def test_mail_goes_out_through_the_hosts_own_postfix(toko: Deployment) -> None:
@@ -439,12 +426,8 @@ def test_mail_goes_out_through_the_hosts_own_postfix(toko: Deployment) -> None:
     )
     toko.machine.sh(install, timeout=600)
     assert toko.machine.run(["postconf", "-h", "smtpd_tls_security_level"]).stdout.strip() == "may"
-    env = "/etc/toko/toko.env"
-    original = toko.machine.run(["cat", env]).stdout
-    toko.machine.sh(
-        f"printf 'TOKO_SMTP_URL=smtp://127.0.0.1\\nTOKO_ADMIN_EMAIL=root@localhost\\n' >> {env}"
-    )
-    try:
+    relay = ("TOKO_SMTP_URL=smtp://127.0.0.1", "TOKO_ADMIN_EMAIL=root@localhost")
+    with toko.settings_added(*relay, restart=True):
         toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
         toko.wait_serving()
         product = toko.post_product("Lewat Postfix")
@@ -462,9 +445,6 @@ def test_mail_goes_out_through_the_hosts_own_postfix(toko: Deployment) -> None:
             (product["id"],),
         )
         assert jobs == [("done",)], jobs
-    finally:
-        toko.machine.run(["sh", "-c", f"cat > {env}"], input=original)
-        toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
 
 
 def test_mail_to_a_provider_logs_in_with_the_credential_over_checked_tls(
@@ -476,19 +456,19 @@ def test_mail_to_a_provider_logs_in_with_the_credential_over_checked_tls(
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("127.0.0.1").configure_cert(tls)
     password = "provider-" + secrets.token_hex(8)
-    env = "/etc/toko/toko.env"
-    original = toko.machine.run(["cat", env]).stdout
     anchor = "/usr/local/share/ca-certificates/toko-test-provider.crt"
     drop_in = "/etc/systemd/system/toko-api.service.d/smtp-password.conf"
-    with SmtpServer(tls=tls, account=("toko", password)) as provider:
+    with (
+        SmtpServer(tls=tls, account=("toko", password)) as provider,
+        toko.settings_added(
+            f"TOKO_SMTP_URL={provider.url}", "TOKO_ADMIN_EMAIL=owner@shop.test", restart=True
+        ),
+    ):
         toko.machine.write(anchor, ca.cert_pem.bytes().decode())
         toko.machine.run(["update-ca-certificates"])
         toko.machine.write("/etc/toko/smtp-password", password + "\n", mode=0o600)
         toko.machine.write(
             drop_in, "[Service]\nLoadCredential=smtp-password:/etc/toko/smtp-password\n"
-        )
-        toko.machine.sh(
-            f"printf 'TOKO_SMTP_URL={provider.url}\\nTOKO_ADMIN_EMAIL=owner@shop.test\\n' >> {env}"
         )
         try:
             toko.machine.run(["systemctl", "daemon-reload"])
@@ -505,9 +485,7 @@ def test_mail_to_a_provider_logs_in_with_the_credential_over_checked_tls(
         finally:
             toko.machine.run(["rm", "-f", anchor, drop_in, "/etc/toko/smtp-password"])
             toko.machine.run(["update-ca-certificates", "--fresh"])
-            toko.machine.run(["sh", "-c", f"cat > {env}"], input=original)
             toko.machine.run(["systemctl", "daemon-reload"])
-            toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
 
 
 def test_reinstall_upgrades_in_place_and_keeps_data(toko: Deployment) -> None:
