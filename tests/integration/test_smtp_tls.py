@@ -4,7 +4,6 @@ stop the mail."""
 
 from __future__ import annotations
 
-import ssl
 from pathlib import Path
 
 import aiohttp
@@ -15,7 +14,7 @@ from tests.conftest import ServiceFactory
 from tests.support import db
 from tests.support.api import create_product
 from tests.support.service import ServiceProcess
-from tests.support.smtp import SmtpMessage, SmtpServer
+from tests.support.smtp import SmtpMessage, SmtpServer, server_tls
 
 USER, PASSWORD = "toko", "s3cret-pw"
 
@@ -23,12 +22,6 @@ USER, PASSWORD = "toko", "s3cret-pw"
 @pytest.fixture(scope="module")
 def ca() -> trustme.CA:
     return trustme.CA()
-
-
-def server_tls(ca: trustme.CA, name: str = "127.0.0.1") -> ssl.SSLContext:
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert(name).configure_cert(context)
-    return context
 
 
 @pytest.fixture

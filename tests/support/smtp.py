@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
+import trustme
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 
@@ -296,6 +297,13 @@ class SmtpServer:
             await asyncio.sleep(delay)
         self.log.append(dataclasses.replace(arrived, outcome=outcome, at=time.monotonic()))
         return reply
+
+
+def server_tls(ca: trustme.CA, name: str = "127.0.0.1") -> ssl.SSLContext:
+    """The server side of TLS with a certificate for ``name`` issued by ``ca``."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert(name).configure_cert(context)
+    return context
 
 
 def _distinct_delivered(count: int) -> Any:

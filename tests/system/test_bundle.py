@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import secrets
-import ssl
 import threading
 import time
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import pytest
 import trustme
 
-from tests.support.smtp import SmtpServer
+from tests.support.smtp import SmtpServer, server_tls
 from tests.system.deployment import INSTALLED_UNITS, Deployment
 from tests.system.machine import log, wait_until
 
@@ -453,8 +452,7 @@ def test_mail_to_a_provider_logs_in_with_the_credential_over_checked_tls(
     # The README's recipe for a provider: a user in TOKO_SMTP_URL, the password
     # as a systemd credential, the provider's CA in the system's store.
     ca = trustme.CA()
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(tls)
+    tls = server_tls(ca)
     password = "provider-" + secrets.token_hex(8)
     anchor = "/usr/local/share/ca-certificates/toko-test-provider.crt"
     drop_in = "/etc/systemd/system/toko-api.service.d/smtp-password.conf"
