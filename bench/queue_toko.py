@@ -91,7 +91,7 @@ class TokoAdapter:
         s = {**DEFAULT_SETTINGS, **settings}
         store = open_store(target)
         await store.open()
-        context = JobContext(LogMailer(), "bench@toko.invalid", "admin@toko.invalid")
+        context = JobContext(LogMailer(), "bench@toko.invalid", ("admin@toko.invalid",))
         handlers = {kind: _handler(body) for kind, body in bodies.items()}
         config = PoolConfig(workers=int(s["workers"]), job_timeout=float(s["job_timeout"]))
         pool = WorkerPool(store, context, handlers, config)

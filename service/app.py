@@ -71,7 +71,7 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    context = JobContext(make_mailer(settings), settings.mail_from, settings.admin_email)
+    context = JobContext(make_mailer(settings), settings.mail_from, settings.admin_emails)
     config = PoolConfig(
         workers=settings.workers,
         job_timeout=settings.job_timeout,

@@ -19,7 +19,8 @@ configuration comes from the environment (under systemd: /etc/toko/toko.env):
   TOKO_DATABASE          SQLite file (default $STATE_DIRECTORY/toko.db or ./var/toko.db)
                          or a postgresql://user@host:port/db URL
   TOKO_SMTP_URL          smtp://[user@]host[:port]; unset: emails go to the log
-  TOKO_ADMIN_EMAIL       who gets the emails (default admin@toko.com)
+  TOKO_ADMIN_EMAIL       who gets the emails, several separated by commas
+                         (default admin@toko.com)
   TOKO_MAIL_FROM         sender address (default toko@localhost)
   TOKO_WORKERS           concurrent job workers (default 3)
   TOKO_JOB_MAX_ATTEMPTS  attempts before a job is kept as failed (default 20)

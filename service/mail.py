@@ -38,7 +38,7 @@ def message_id(job_id: int, mail_from: str) -> str:
 class Email:
     job_id: int
     mail_from: str
-    to: str
+    to: tuple[str, ...]
     subject: str
     body: str
     # Structured log fields of the job behind this email (JOB_KIND, PRODUCT_ID, ...).
@@ -51,7 +51,7 @@ class Email:
     def to_mime(self) -> EmailMessage:
         msg = EmailMessage()
         msg["From"] = self.mail_from
-        msg["To"] = self.to
+        msg["To"] = ", ".join(self.to)
         # The email package refuses a header with a line break in it, and counts
         # U+2028/U+2029 as ones: a subject is one line, whatever text it quotes.
         msg["Subject"] = " ".join(self.subject.splitlines())
@@ -65,7 +65,7 @@ class Email:
         return {
             **self.fields,
             "JOB_ID": self.job_id,
-            "TO": self.to,
+            "TO": ", ".join(self.to),
             "SUBJECT": self.subject,
             "MESSAGE_ID": self.message_id,
         }
@@ -121,7 +121,7 @@ class SmtpMailer:
         try:
             try:
                 await client.connect()
-                await client.send_message(msg)
+                refused, _ = await client.send_message(msg)
             except BaseException:
                 # Abort at once: aiosmtplib's own clean-up would wait for a
                 # QUIT reply, which stalls a cancelled send (a drain) for long.
@@ -144,4 +144,17 @@ class SmtpMailer:
             pass  # the message is already accepted; a failed goodbye changes nothing
         finally:
             client.close()
+        if refused:
+            # The others have it: a retry would send them the email again.
+            log.warning(
+                "email sent, but some recipients were refused",
+                extra={
+                    **email.log_fields(),
+                    "REFUSED": "; ".join(
+                        f"{address}: {reply.code} {reply.message}"
+                        for address, reply in refused.items()
+                    ),
+                },
+            )
+            return
         log.info("email sent", extra=email.log_fields())

@@ -66,7 +66,8 @@ class Settings:
     # PostgreSQL password when not in the URL: systemd credential or file, never env.
     database_password: str | None = field(default=None, repr=False)
     smtp: SmtpTarget | None = None
-    admin_email: str = "admin@toko.com"
+    # Everyone told about new products, recaps and alerts: one email to all.
+    admin_emails: tuple[str, ...] = ("admin@toko.com",)
     mail_from: str = "toko@localhost"
     workers: int = 3
     # With the default backoff, between 4.6 and 9 hours of retries (the delay
@@ -117,7 +118,7 @@ class Settings:
             database=database,
             database_password=_secret_file(environ, "TOKO_DATABASE_PASSWORD_FILE", "db-password"),
             smtp=_smtp_from_env(environ),
-            admin_email=env.get("TOKO_ADMIN_EMAIL", _parse_email, "admin@toko.com"),
+            admin_emails=env.get("TOKO_ADMIN_EMAIL", _parse_email_list, ("admin@toko.com",)),
             mail_from=env.get("TOKO_MAIL_FROM", _parse_email, "toko@localhost"),
             workers=env.get("TOKO_WORKERS", _int_between(1, 256), 3),
             job_max_attempts=env.get("TOKO_JOB_MAX_ATTEMPTS", _int_between(1, 100), 20),
@@ -174,6 +175,22 @@ def _parse_email(raw: str) -> str:
     if not (at and local and domain and plain) or parseaddr(raw) != ("", raw):
         raise ValueError("must be one plain address like name@example.com")
     return raw
+
+
+def _parse_email_list(raw: str) -> tuple[str, ...]:
+    addresses = [part.strip() for part in raw.split(",")]
+    if "" in addresses:
+        raise ValueError("must be addresses separated by commas, with none empty")
+    try:
+        parsed = tuple(_parse_email(address) for address in addresses)
+    except ValueError:
+        raise ValueError(
+            "must be one or more plain addresses like name@example.com, separated by commas"
+        ) from None
+    twice = next((a for i, a in enumerate(parsed) if a in parsed[:i]), None)
+    if twice is not None:
+        raise ValueError(f"names {twice} twice")
+    return parsed
 
 
 def _int_between(low: int, high: int) -> Callable[[str], int]:

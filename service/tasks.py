@@ -17,7 +17,7 @@ ALERT_EMAIL = "alert_email"
 class JobContext:
     mailer: Mailer
     mail_from: str
-    admin_email: str
+    admin_emails: tuple[str, ...]
 
 
 Handler = Callable[[Job, JobContext], Awaitable[None]]
@@ -82,7 +82,7 @@ async def send_product_email(job: Job, ctx: JobContext) -> None:
         Email(
             job_id=job.id,
             mail_from=ctx.mail_from,
-            to=ctx.admin_email,
+            to=ctx.admin_emails,
             subject=f"Produk baru: {p['nama']}",
             body=body,
             fields=job_fields(job),
@@ -101,7 +101,7 @@ async def send_recap_email(job: Job, ctx: JobContext) -> None:
         Email(
             job_id=job.id,
             mail_from=ctx.mail_from,
-            to=ctx.admin_email,
+            to=ctx.admin_emails,
             subject=f"Rekap produk {p['period']}",
             body=body,
             fields=job_fields(job),
@@ -130,7 +130,7 @@ async def send_alert_email(job: Job, ctx: JobContext) -> None:
         Email(
             job_id=job.id,
             mail_from=ctx.mail_from,
-            to=ctx.admin_email,
+            to=ctx.admin_emails,
             subject=alert_subject(unit),
             body=body,
             fields=job_fields(job),

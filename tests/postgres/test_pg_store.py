@@ -268,7 +268,7 @@ class NoMail:
 
 
 def _context() -> JobContext:
-    return JobContext(NoMail(), "toko@localhost", "admin@toko.com")
+    return JobContext(NoMail(), "toko@localhost", ("admin@toko.com",))
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

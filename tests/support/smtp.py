@@ -8,6 +8,7 @@ Usage::
         smtp.fail_next(3)                      # next 3 messages get 451 (4xx)
         smtp.fail_for(2.0)                     # every message for 2 s gets 451
         smtp.refuse_subject("BAD")             # subject containing BAD gets 550 (5xx)
+        smtp.refuse_recipient("x@toko.test")   # RCPT TO:<x@toko.test> gets 550
         smtp.reset()                           # back to: deliver at once
         await smtp.async_wait_delivered(10, timeout=30)   # 10 distinct Message-IDs
         smtp.delivered()                       # list[SmtpMessage], outcome "delivered"
@@ -59,6 +60,7 @@ Outcome = Literal["arrived", "delivered", "tempfailed", "refused"]
 
 TEMPFAIL_REPLY = "451 4.3.0 Temporary failure injected by the test"
 REFUSE_REPLY = "550 5.7.1 Message refused by the test"
+REFUSE_RCPT_REPLY = "550 5.1.1 Recipient refused by the test"
 
 
 @dataclass(frozen=True)
@@ -89,11 +91,25 @@ class _Behaviour:
     fail_next: int = 0
     fail_until: float = 0.0
     refuse: list[str] = field(default_factory=list)
+    refuse_rcpt: list[str] = field(default_factory=list)
 
 
 class _Handler:
     def __init__(self, server: SmtpServer) -> None:
         self._server = server
+
+    async def handle_RCPT(
+        self,
+        server: SMTP,
+        session: Session,
+        envelope: Envelope,
+        address: str,
+        rcpt_options: list[str],
+    ) -> str:
+        if self._server._refuses_recipient(address):
+            return REFUSE_RCPT_REPLY
+        envelope.rcpt_tos.append(address)
+        return "250 OK"
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         auth = session.auth_data
@@ -222,6 +238,11 @@ class SmtpServer:
         with self._lock:
             self._behaviour.refuse.append(contains)
 
+    def refuse_recipient(self, address: str) -> None:
+        """Answer 550 (permanent) to ``RCPT TO:<address>``; the other recipients still get it."""
+        with self._lock:
+            self._behaviour.refuse_rcpt.append(address)
+
     # -- queries -----------------------------------------------------------
 
     def messages(self, outcome: Outcome | None = None) -> list[SmtpMessage]:
@@ -262,6 +283,10 @@ class SmtpServer:
         accepted = attempt == self._account
         self.logins.append(LoginAttempt(attempt[0], accepted, tls=_encrypted(server)))
         return AuthResult(success=accepted, auth_data=auth_data if accepted else None)
+
+    def _refuses_recipient(self, address: str) -> bool:
+        with self._lock:
+            return address in self._behaviour.refuse_rcpt
 
     async def _handle(self, envelope: Envelope, *, tls: bool, login: str | None) -> str:
         raw = envelope.original_content or b""

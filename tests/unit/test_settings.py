@@ -12,7 +12,7 @@ def test_defaults_need_no_configuration() -> None:
     assert (s.listen_host, s.listen_port) == ("127.0.0.1", 8080)
     assert s.database == "var/toko.db"
     assert s.smtp is None
-    assert s.admin_email == "admin@toko.com"
+    assert s.admin_emails == ("admin@toko.com",)
     assert s.workers == 3
     assert s.drain_timeout == 10.0
     assert s.client_timeout == 75.0
@@ -45,6 +45,10 @@ def test_state_directory_holds_the_database_and_backups() -> None:
         ("TOKO_MAIL_FROM", "a@b, c@d"),
         ("TOKO_ADMIN_EMAIL", "a@b@c"),
         ("TOKO_ADMIN_EMAIL", "a;b@toko.test"),
+        ("TOKO_ADMIN_EMAIL", "bos@toko.test,"),
+        ("TOKO_ADMIN_EMAIL", "bos@toko.test, , kasir@toko.test"),
+        ("TOKO_ADMIN_EMAIL", "bos@toko.test kasir@toko.test"),
+        ("TOKO_ADMIN_EMAIL", "bos@toko.test, bos@toko.test"),
         ("TOKO_MAIL_FROM", "kasir(toko)@toko.test"),
         ("TOKO_LOG_LEVEL", "loud"),
         ("TOKO_DATABASE", "mysql://x"),
@@ -66,6 +70,11 @@ def test_bad_values_name_the_variable(name: str, value: str) -> None:
     assert "\n" not in message
     if "secret" in value:
         assert "secret" not in message  # never echo a password
+
+
+def test_admin_email_takes_a_list_separated_by_commas() -> None:
+    s = Settings.from_env({"TOKO_ADMIN_EMAIL": " bos@toko.test,kasir@toko.test , ibu@toko.test"})
+    assert s.admin_emails == ("bos@toko.test", "kasir@toko.test", "ibu@toko.test")
 
 
 def test_smtp_url_and_password_from_credentials(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ class NoMail:
         raise AssertionError("these tests do not send mail")
 
 
-CONTEXT = JobContext(NoMail(), "toko@localhost", "admin@toko.com")
+CONTEXT = JobContext(NoMail(), "toko@localhost", ("admin@toko.com",))
 HandlerFn = Callable[[Job, JobContext], Awaitable[None]]
 
 
