@@ -85,7 +85,12 @@ async def serve(settings: Settings) -> None:
                 "OPEN_FILES_LIMIT": open_files,
             },
         )
-        side_tasks = [asyncio.create_task(_status_loop(app, notifier), name="toko-status")]
+        side_tasks = [
+            asyncio.create_task(_status_loop(app, notifier), name="toko-status"),
+            # A store that broke for good (its writer died) fails every write:
+            # better a restart by systemd than a service stuck answering 503.
+            asyncio.create_task(app[STORE].wait_broken(), name="toko-store"),
+        ]
         if settings.watchdog_interval:
             side_tasks.append(
                 asyncio.create_task(
@@ -93,7 +98,11 @@ async def serve(settings: Settings) -> None:
                     name="toko-watchdog",
                 )
             )
-        await _wait_for_stop(stop, [*pool.side_tasks, *side_tasks])
+        try:
+            await _wait_for_stop(stop, [*pool.side_tasks, *side_tasks])
+        except SideTaskDied as died:
+            notifier.stopping(f"stopping after a failure: {died}")
+            raise
         notifier.stopping("stopping: finishing requests and running jobs")
         log.info("stopping", extra={"JOBS_RUNNING": pool.busy})
     finally:

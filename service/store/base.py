@@ -53,6 +53,13 @@ class Store(Protocol):
 
     async def close(self) -> None: ...
 
+    async def wait_broken(self) -> None:
+        """Return or raise only once the store cannot work again until a restart.
+
+        toko-api supervises it like its other side tasks and stops: systemd
+        restarts it. A store that cannot break that way waits forever.
+        """
+
     # products -------------------------------------------------------------
     async def create_product(
         self,

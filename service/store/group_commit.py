@@ -16,6 +16,10 @@ Should a batch function raise, the transaction is rolled back whole (nothing
 is half-written) and each write is retried alone, so one caller's failure
 costs the others nothing.
 
+Should the thread itself end (a ``BaseException``, which nothing in toko
+raises), every write fails at once and ``on_death(exc)`` is called, on the
+writer thread, so that the process can stop and systemd restart it.
+
 An optional ``verify(conn)`` runs after each commit. Once it raises a
 ``sqlite3.Error``, the writes of that batch and of every later one fail with
 it: the writer refuses for good (the SQLite file was deleted, say).
@@ -67,9 +71,11 @@ class GroupCommitWriter:
         self,
         connect: Callable[[], sqlite3.Connection],
         verify: Callable[[sqlite3.Connection], None] | None = None,
+        on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         self._connect = connect
         self._verify = verify
+        self._on_death = on_death
         self._refused: sqlite3.Error | None = None  # what verify raised, for good
         self._ops: queue.SimpleQueue[_Op | object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -118,6 +124,7 @@ class GroupCommitWriter:
             return
         self._started.set()
         ops: list[_Op] = []  # the batch in hand, failed should the thread end under it
+        died: BaseException | None = None
         try:
             stopping = False
             while not stopping:
@@ -137,12 +144,15 @@ class GroupCommitWriter:
                 ops = [op for op in batch if isinstance(op, _Op)]
                 self._commit_or_fail(conn, ops)
                 ops = []
-        except BaseException:  # to the journal; threading would only print it to stderr
-            log.critical("SQLite writer thread died; restart toko-api", exc_info=True)
+        except BaseException as exc:  # to the journal; threading would only print it to stderr
+            log.critical("SQLite writer thread died", exc_info=True)
+            died = exc
         finally:
             self._ended = True
             conn.close()
             self._fail_waiting(ops)
+        if died is not None and self._on_death is not None:
+            self._on_death(died)
 
     def _commit_or_fail(self, conn: sqlite3.Connection, ops: list[_Op]) -> None:
         """Commit ``ops``. A fault of ours (not the database's) fails them, and the

@@ -239,11 +239,28 @@ class PostgresStore:
             raise StoreError(f"cannot open database {redact(self.url)}: {why}") from exc
         self._writer = asyncio.create_task(self._write_loop(), name="toko-pg-writer")
 
+    async def wait_broken(self) -> None:
+        """Raise StoreError once the product writer or the LISTEN task has ended.
+
+        Both only end when the store closes, or through a bug: then writes (or
+        wake-ups) have stopped for good, and a restart is the way back.
+        """
+        tasks = [task for task in (self._writer, self._listener) if task is not None]
+        if not tasks:
+            raise StoreError("the store is not open")
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        task = done.pop()
+        reason = "cancelled" if task.cancelled() else repr(task.exception())
+        raise StoreError(f"{task.get_name()} ended: {reason}")
+
     async def close(self) -> None:
         if self._writer is not None:
+            writer, self._writer = self._writer, None
             self._writes.put_nowait(None)  # writes queued before this still commit
-            await self._writer
-            self._writer = None
+            # One that died (wait_broken said so) must not stop the rest closing.
+            await asyncio.wait([writer])
+            if not writer.cancelled():
+                writer.exception()
         if self._listener is not None:
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):

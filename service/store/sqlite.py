@@ -97,7 +97,11 @@ class SqliteStore:
         self.path = path
         self._clock = clock
         self._file_guard = FileGuard(path)
-        self._writer = GroupCommitWriter(self._connect_writer, self._file_guard.check)
+        self._writer = GroupCommitWriter(
+            self._connect_writer, self._file_guard.check, on_death=self._writer_died
+        )
+        # Set (from the writer thread) if the writer dies: see wait_broken().
+        self._broken: asyncio.Future[None] | None = None
         self._reader_count = readers
         self._readers: ThreadPoolExecutor | None = None
         self._reader_local = threading.local()
@@ -107,6 +111,8 @@ class SqliteStore:
 
     # lifecycle ---------------------------------------------------------------
     async def open(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._broken = loop.create_future()
         try:
             await asyncio.to_thread(self._prepare)
             self._writer.start()
@@ -130,6 +136,8 @@ class SqliteStore:
 
     async def close(self) -> None:
         await asyncio.to_thread(self._writer.stop)
+        if self._broken is not None and self._broken.done():
+            self._broken.exception()  # wait_broken() told whoever asked; nobody else will
         if self._readers is not None:
             self._readers.shutdown(wait=True)
             self._readers = None
@@ -137,6 +145,26 @@ class SqliteStore:
             for conn in self._reader_conns:
                 conn.close()
             self._reader_conns.clear()
+
+    async def wait_broken(self) -> None:
+        """Raise StoreError once the writer thread has died: no write can succeed
+        until a restart, so toko-api supervises this like its other side tasks."""
+        if self._broken is None:
+            raise StoreError("the store is not open")
+        await asyncio.shield(self._broken)
+
+    def _writer_died(self, exc: BaseException) -> None:  # on the writer thread
+        broken = self._broken
+        if broken is None:
+            return
+
+        def tell() -> None:
+            if not broken.done():
+                broken.set_exception(StoreError(f"the SQLite writer thread died: {exc!r}"))
+
+        # A closed loop has nobody left to tell.
+        with contextlib.suppress(RuntimeError):
+            broken.get_loop().call_soon_threadsafe(tell)
 
     @property
     def writer_stats(self) -> tuple[int, int]:

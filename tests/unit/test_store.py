@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +15,7 @@ from service.store.admin import QueueAdmin
 from service.store.base import Store, StoreError
 from service.store.group_commit import GroupCommitWriter
 from service.store.migrations import LATEST_VERSION, MIGRATIONS, migrate
+from service.store.postgres import PostgresStore
 from service.store.sqlite import SqliteStore, _create_products, connect
 from service.tasks import product_email_job
 from tests.unit.conftest import Backend, FakeClock
@@ -201,6 +203,29 @@ async def test_writes_fail_rather_than_wait_forever_once_the_writer_thread_ended
     finally:
         writer.stop()
     assert len(rows(path, "SELECT x FROM t")) == len(outcomes) - len(refused)
+
+
+async def test_wait_broken_ends_once_the_writer_is_gone(store: Store) -> None:
+    # What toko-api supervises: it waits while the store works...
+    watch = asyncio.ensure_future(store.wait_broken())
+    await store.create_product("Teh Hijau", 45000, email_job)
+    assert not watch.done()
+    # ...and raises once its writer has died, as nothing in toko should make it.
+    if isinstance(store, SqliteStore):
+
+        def fatal(conn: sqlite3.Connection, items: list[int]) -> list[None]:
+            raise _Fatal
+
+        with pytest.raises(RuntimeError, match="the SQLite writer has stopped"):
+            await store._writer.run(fatal, 0)
+        expected = "the SQLite writer thread died: _Fatal()"
+    else:
+        assert isinstance(store, PostgresStore) and store._writer is not None
+        store._writer.cancel()
+        expected = "toko-pg-writer ended: cancelled"
+    async with asyncio.timeout(10):
+        with pytest.raises(StoreError, match=re.escape(expected)):
+            await watch
 
 
 async def test_a_database_from_before_idempotency_keys_upgrades_with_its_data(
