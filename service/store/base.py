@@ -54,10 +54,11 @@ class Store(Protocol):
     async def close(self) -> None: ...
 
     async def wait_broken(self) -> None:
-        """Return or raise only once the store cannot work again until a restart.
+        """Raise StoreError once the store cannot work again until a restart
+        (a task or thread it cannot work without has ended); wait until then.
 
-        toko-api supervises it like its other side tasks and stops: systemd
-        restarts it. A store that cannot break that way waits forever.
+        toko-api supervises it like its other side tasks and stops, for
+        systemd to restart it.
         """
 
     # products -------------------------------------------------------------
