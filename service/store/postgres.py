@@ -57,6 +57,10 @@ MAX_BATCH = 512
 LISTEN_PROBE_SECONDS = 30.0
 LISTEN_RETRY_SECONDS = 1.0
 COMMAND_TIMEOUT = 30.0
+# Leases and retry times are this host's wall clock, compared on every host:
+# a clock this far from the database server's is worth a warning. Trouble
+# (a job run twice at once) starts once it nears the lease, 30 s or more.
+CLOCK_SKEW_WARN_SECONDS = 5.0
 # How long open() waits for an unreachable server (below TimeoutStartSec=60s).
 OPEN_RETRY_SECONDS = 20.0
 # Connection failures: the server is down or gone, not a bad statement.
@@ -187,6 +191,7 @@ class PostgresStore:
         # While the server is down every call hits this: a sample, not each.
         self._lost_connections = Throttle()
         self._listen_failures = Throttle()
+        self._clock_skewed = False  # last said: this host's clock is off
         self._write_health = WriteHealth()
 
     # lifecycle ---------------------------------------------------------------
@@ -222,6 +227,7 @@ class PostgresStore:
             conn = await self._first_connection()
             try:
                 await migrate(conn)
+                await self._check_clock(conn)
             finally:
                 await conn.close()
             self._pool = await asyncpg.create_pool(
@@ -740,7 +746,7 @@ class PostgresStore:
                         await asyncio.wait_for(lost.wait(), LISTEN_PROBE_SECONDS)
                     if not lost.is_set():
                         # An idle socket does not notice a vanished server; a query does.
-                        await conn.fetchval("SELECT 1", timeout=COMMAND_TIMEOUT)
+                        await self._check_clock(conn)
                 log.warning("the LISTEN connection closed; reconnecting")
             except _DB_ERRORS as exc:
                 self._listen_failures.log(
@@ -751,6 +757,29 @@ class PostgresStore:
                     with contextlib.suppress(*_DB_ERRORS):
                         await conn.close(timeout=5)
             await asyncio.sleep(LISTEN_RETRY_SECONDS)
+
+    async def _check_clock(self, conn: asyncpg.Connection) -> None:
+        """Warn when this host's clock strays from the database server's, and
+        say when it is back: every host compares leases with its own clock."""
+        before = self._clock()
+        server = await conn.fetchval(
+            "SELECT extract(epoch FROM clock_timestamp())::float8", timeout=COMMAND_TIMEOUT
+        )
+        skew = (before + self._clock()) / 2 - server
+        skewed = abs(skew) > CLOCK_SKEW_WARN_SECONDS
+        if skewed and not self._clock_skewed:
+            log.warning(
+                "this host's clock is %+.1f s off the database server's: job leases and"
+                " retry times compare clocks across hosts, so keep them in sync (NTP)",
+                skew,
+                extra={"CLOCK_SKEW_SECONDS": round(skew, 1)},
+            )
+        elif self._clock_skewed and not skewed:
+            log.info(
+                "this host's clock agrees with the database server's again",
+                extra={"CLOCK_SKEW_SECONDS": round(skew, 1)},
+            )
+        self._clock_skewed = skewed
 
     # recaps ------------------------------------------------------------------------
     async def record_recap(
