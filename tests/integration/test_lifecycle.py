@@ -24,6 +24,7 @@ from service import __version__
 from tests.conftest import ServiceFactory
 from tests.support import db
 from tests.support.api import create_product, create_products, healthz, wait_healthy
+from tests.support.faults import FATAL_PRODUCT, FATAL_WRITER
 from tests.support.notify import Notification
 from tests.support.service import TOKO_API
 from tests.support.smtp import SmtpServer
@@ -243,41 +244,21 @@ async def test_killed_worker_is_logged_and_replaced(
     assert mid
 
 
-# toko-api with one fault planted: a product named FATAL ends the SQLite writer
-# thread with a BaseException, as nothing in toko raises (a stand-in for a bug).
-_FATAL_WRITER = """
-import sys
-from service import cli
-from service.store import sqlite
-
-class Fatal(BaseException):
-    pass
-
-real = sqlite._create_products
-
-def create_products(conn, items):
-    if any(item[0] == "FATAL" for item in items):
-        raise Fatal()
-    return real(conn, items)
-
-sqlite._create_products = create_products
-sys.exit(cli.main())
-"""
-
-
 async def test_a_dead_sqlite_writer_stops_the_process_for_systemd_to_restart(
     service_factory: ServiceFactory, tmp_path: Path
 ) -> None:
     wrapper = tmp_path / "fatal_writer.py"
-    wrapper.write_text(_FATAL_WRITER)
+    wrapper.write_text(FATAL_WRITER)
     svc = service_factory(executable=Path(sys.executable), args=(str(wrapper),)).start()
     await svc.async_wait_ready(timeout=20)
     async with aiohttp.ClientSession() as session:
         kept = await create_product(session, svc.base_url, "Sebelum", 1)
-        async with session.post(svc.url("/produk"), json={"nama": "FATAL", "harga": 1}) as resp:
+        async with session.post(
+            svc.url("/produk"), json={"nama": FATAL_PRODUCT, "harga": 1}
+        ) as resp:
             assert resp.status == 503, await resp.text()
             assert "error" in await resp.json()
-    # Before, it stayed up answering 503 with the watchdog content; now it
+    # Before, it stayed up answering 503 while the watchdog kept pinging; now it
     # stops with a failure exit, and Restart=on-failure brings it back.
     assert await svc.async_wait_exit(timeout=20) == 1
     died = svc.wait_log("side task died; stopping", timeout=5)

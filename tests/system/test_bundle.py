@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import trustme
 
+from tests.support.faults import FATAL_PRODUCT, FATAL_WRITER
 from tests.support.smtp import SmtpServer, server_tls
 from tests.system.deployment import INSTALLED_UNITS, Deployment
 from tests.system.machine import log, wait_until
@@ -24,6 +25,7 @@ from tests.system.machine import log, wait_until
 pytestmark = [pytest.mark.system, pytest.mark.timeout(900)]
 
 UNIT_DIR = "/usr/local/lib/systemd/system"
+DROP_IN_DIR = "/etc/systemd/system/toko-api.service.d"
 
 
 def test_api_active_and_serves_from_host(toko: Deployment) -> None:
@@ -289,6 +291,34 @@ def test_watchdog_restarts_a_stopped_process(toko: Deployment) -> None:
     assert any("Watchdog timeout" in m for m in messages)
 
 
+def test_a_dead_writer_thread_gets_the_service_restarted(toko: Deployment) -> None:
+    # toko-api with a bug planted (tests.support.faults): a product named FATAL
+    # ends the SQLite writer thread. It must exit 1 for Restart=on-failure.
+    script, drop_in = "/usr/local/lib/toko-test/fatal_writer.py", f"{DROP_IN_DIR}/fatal.conf"
+    toko.machine.write(script, FATAL_WRITER)
+    toko.machine.write(
+        drop_in, f"[Service]\nExecStart=\nExecStart=/opt/toko/venv/bin/python {script}\n"
+    )
+    try:
+        toko.machine.run(["systemctl", "daemon-reload"])
+        toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
+        pid = toko.wait_serving()
+        restarts, since = toko.n_restarts(), toko.now()
+        auth = {"Authorization": f"Bearer {toko.token}"} if toko.token else {}
+        fatal = toko.request("POST", "/produk", {"nama": FATAL_PRODUCT, "harga": 1}, headers=auth)
+        assert fatal.status == 503, fatal
+        wait_until(lambda: toko.n_restarts() > restarts or None, 60, "a restart (NRestarts)")
+        toko.wait_serving(old_pid=pid)
+        assert toko.post_product("Setelah pulih")["id"] > 0
+        messages = toko.messages("toko-api", since)
+        assert any(m.startswith("side task died; stopping") for m in messages), messages
+        assert any("status=1/FAILURE" in m for m in messages), messages
+    finally:
+        toko.machine.run(["rm", "-f", drop_in, script])
+        toko.machine.run(["systemctl", "daemon-reload"])
+        toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
+
+
 def test_sighup_leaves_the_service_running(toko: Deployment) -> None:
     # Dying of SIGHUP would be a clean exit to systemd: no restart would follow.
     pid = toko.main_pid()
@@ -455,7 +485,7 @@ def test_mail_to_a_provider_logs_in_with_the_credential_over_checked_tls(
     tls = server_tls(ca)
     password = "provider-" + secrets.token_hex(8)
     anchor = "/usr/local/share/ca-certificates/toko-test-provider.crt"
-    drop_in = "/etc/systemd/system/toko-api.service.d/smtp-password.conf"
+    drop_in = f"{DROP_IN_DIR}/smtp-password.conf"
     with (
         SmtpServer(tls=tls, account=("toko", password)) as provider,
         toko.settings_added(
