@@ -113,9 +113,13 @@ class Deployment:
         finally:
             conn.close()
 
-    def post_product(self, nama: str, harga: int = 1000) -> dict[str, Any]:
+    def post(self, nama: str, harga: int = 1000) -> Response:
+        """``POST /produk`` with the write token, whatever the answer."""
         auth = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        resp = self.request("POST", "/produk", {"nama": nama, "harga": harga}, headers=auth)
+        return self.request("POST", "/produk", {"nama": nama, "harga": harga}, headers=auth)
+
+    def post_product(self, nama: str, harga: int = 1000) -> dict[str, Any]:
+        resp = self.post(nama, harga)
         assert resp.status == 201, resp
         assert isinstance(resp.body, dict)
         return resp.body

@@ -305,8 +305,7 @@ def test_a_dead_writer_thread_gets_the_service_restarted(toko: Deployment) -> No
         toko.machine.run(["systemctl", "restart", "toko-api.service"], timeout=120)
         pid = toko.wait_serving()
         restarts, since = toko.n_restarts(), toko.now()
-        auth = {"Authorization": f"Bearer {toko.token}"} if toko.token else {}
-        fatal = toko.request("POST", "/produk", {"nama": FATAL_PRODUCT, "harga": 1}, headers=auth)
+        fatal = toko.post(FATAL_PRODUCT)
         assert fatal.status == 503, fatal
         wait_until(lambda: toko.n_restarts() > restarts or None, 60, "a restart (NRestarts)")
         toko.wait_serving(old_pid=pid)
