@@ -20,8 +20,8 @@ import asyncio
 import contextlib
 import json
 import os
+import queue
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -104,9 +104,9 @@ class SqliteStore:
         self._broken: asyncio.Future[None] | None = None
         self._reader_count = readers
         self._readers: ThreadPoolExecutor | None = None
-        self._reader_local = threading.local()
         self._reader_conns: list[sqlite3.Connection] = []
-        self._reader_lock = threading.Lock()
+        # One connection per reader thread, lent out for each read.
+        self._idle_readers: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
         self._write_health = WriteHealth()
 
     # lifecycle ---------------------------------------------------------------
@@ -116,7 +116,9 @@ class SqliteStore:
         try:
             await asyncio.to_thread(self._prepare)
             self._writer.start()
+            await asyncio.to_thread(self._open_readers)
         except (OSError, sqlite3.Error, RuntimeError) as exc:
+            await self.close()
             raise StoreError(f"cannot open database {self.path}: {exc}") from exc
         self._readers = ThreadPoolExecutor(self._reader_count, "toko-sqlite-reader")
 
@@ -128,6 +130,17 @@ class SqliteStore:
             migrate(conn)
         finally:
             conn.close()
+
+    def _open_readers(self) -> None:
+        # All at start, not when a reader thread first needs one: opened by
+        # path after the file was deleted, a connection would create an empty
+        # database there (see file_guard). The first read also opens the WAL,
+        # which SQLite otherwise opens by path on a connection's first read.
+        for _ in range(self._reader_count):
+            conn = connect(self.path, read_only=True)
+            self._reader_conns.append(conn)
+            conn.execute("SELECT count(*) FROM sqlite_schema").fetchone()
+            self._idle_readers.put(conn)
 
     def _connect_writer(self) -> sqlite3.Connection:
         conn = connect(self.path)
@@ -141,10 +154,10 @@ class SqliteStore:
         if self._readers is not None:
             self._readers.shutdown(wait=True)
             self._readers = None
-        with self._reader_lock:
-            for conn in self._reader_conns:
-                conn.close()
-            self._reader_conns.clear()
+        for conn in self._reader_conns:
+            conn.close()
+        self._reader_conns.clear()
+        self._idle_readers = queue.SimpleQueue()
 
     async def wait_broken(self) -> None:
         """Raise StoreError once the writer thread has died: no write can succeed
@@ -195,13 +208,12 @@ class SqliteStore:
             raise StoreError(f"database read failed: {exc}") from exc
 
     def _in_reader(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        conn: sqlite3.Connection | None = getattr(self._reader_local, "conn", None)
-        if conn is None:
-            conn = connect(self.path, read_only=True)
-            self._reader_local.conn = conn
-            with self._reader_lock:
-                self._reader_conns.append(conn)
-        return fn(conn)
+        # As many connections as threads: one is always idle for this thread.
+        conn = self._idle_readers.get_nowait()
+        try:
+            return fn(conn)
+        finally:
+            self._idle_readers.put(conn)
 
     # products ------------------------------------------------------------------
     async def create_product(

@@ -93,6 +93,7 @@ async def test_a_deleted_database_is_saved_and_writes_are_refused(
         await assert_refusing(session, svc)
         async with session.get(f"{svc.base_url}/produk/1") as resp:
             assert resp.status == 200, "reads go on"
+        assert not database.exists(), "nor did the reads create one"
 
     svc.terminate()
     assert await svc.async_wait_exit(timeout=30) == 0

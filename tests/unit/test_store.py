@@ -267,6 +267,21 @@ async def test_durability_settings(sqlite_store: SqliteStore) -> None:
     assert rows(sqlite_store.path, "PRAGMA user_version") == [(LATEST_VERSION,)]
 
 
+async def test_reads_after_the_file_is_deleted_create_nothing_at_its_path(
+    sqlite_store: SqliteStore,
+) -> None:
+    # A reader connection opened by path now would create an empty database
+    # there, which the next start would take for the shop's (see file_guard).
+    made = [(await sqlite_store.create_product(f"p{i}", i, email_job))[0] for i in range(2)]
+    database = Path(sqlite_store.path)
+    for path in database.parent.glob(database.name + "*"):
+        path.unlink()
+    # Many at once, so that every reader thread there is takes part.
+    listed = await asyncio.gather(*(sqlite_store.list_products(0, 10) for _ in range(20)))
+    assert listed == [made] * 20
+    assert sorted(database.parent.iterdir()) == [], "nothing was created at the path"
+
+
 async def test_migrations_are_idempotent(backend: Backend) -> None:
     for _ in range(2):
         s = backend.make_store()
