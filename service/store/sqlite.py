@@ -104,7 +104,6 @@ class SqliteStore:
         self._broken: asyncio.Future[None] | None = None
         self._reader_count = readers
         self._readers: ThreadPoolExecutor | None = None
-        self._reader_conns: list[sqlite3.Connection] = []
         # One connection per reader thread, lent out for each read.
         self._idle_readers: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
         self._write_health = WriteHealth()
@@ -138,9 +137,8 @@ class SqliteStore:
         # which SQLite otherwise opens by path on a connection's first read.
         for _ in range(self._reader_count):
             conn = connect(self.path, read_only=True)
-            self._reader_conns.append(conn)
-            conn.execute("SELECT count(*) FROM sqlite_schema").fetchone()
             self._idle_readers.put(conn)
+            conn.execute("SELECT count(*) FROM sqlite_schema").fetchone()
 
     def _connect_writer(self) -> sqlite3.Connection:
         conn = connect(self.path)
@@ -152,12 +150,10 @@ class SqliteStore:
         if self._broken is not None and self._broken.done():
             self._broken.exception()  # wait_broken() told whoever asked; nobody else will
         if self._readers is not None:
-            self._readers.shutdown(wait=True)
+            self._readers.shutdown(wait=True)  # after which every reader is idle
             self._readers = None
-        for conn in self._reader_conns:
-            conn.close()
-        self._reader_conns.clear()
-        self._idle_readers = queue.SimpleQueue()
+        while not self._idle_readers.empty():
+            self._idle_readers.get_nowait().close()
 
     async def wait_broken(self) -> None:
         """Raise StoreError once the writer thread has died: no write can succeed
