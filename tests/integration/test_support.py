@@ -23,6 +23,7 @@ from tests.support.notify import NotifyListener, send
 from tests.support.recorder import Recorder
 from tests.support.service import ProcessExited, ServiceProcess
 from tests.support.smtp import SmtpServer
+from tests.support.syscalls import Call, parse, traced
 
 
 def _message(subject: str, message_id: str, to: str = "admin@toko.test") -> EmailMessage:
@@ -292,3 +293,74 @@ async def test_service_process_exit_before_ready_fails_fast(tmp_path: Path) -> N
         assert svc.stderr.snapshot() == ["toko-api: TOKO_WORKERS must be an integer"]
     finally:
         svc.close()
+
+
+def test_strace_output_parses_with_interleaved_threads() -> None:
+    # As strace -f -y prints two threads whose calls overlap.
+    text = (
+        '101 recvfrom(16<socket:[7]>, "POST /produk HTTP/1.1"..., 262144, 0, NULL, NULL) = 213\n'
+        "102 fdatasync(9</db/toko.db-wal> <unfinished ...>\n"
+        '101 sendto(6<socket:[8]>, "\\0", 1, 0, NULL, 0) = 1\n'
+        "102 <... fdatasync resumed>)            = 0\n"
+        "101 recvfrom(5<socket:[9]>, 0x55f8, 4096, 0, NULL, NULL) = -1 EAGAIN (Resource ...)\n"
+        "101 --- SIGINT {si_signo=SIGINT, si_code=SI_USER} ---\n"
+        "102 +++ exited with 0 +++\n"
+    )
+    sync_started = Call(102, "fdatasync", "9</db/toko.db-wal>", None)
+    assert parse(text) == [
+        Call(
+            101,
+            "recvfrom",
+            '16<socket:[7]>, "POST /produk HTTP/1.1"..., 262144, 0, NULL, NULL',
+            "213",
+        ),
+        sync_started,
+        Call(101, "sendto", '6<socket:[8]>, "\\0", 1, 0, NULL, 0', "1"),
+        Call(102, "fdatasync", "9</db/toko.db-wal>", "0"),
+        Call(
+            101,
+            "recvfrom",
+            "5<socket:[9]>, 0x55f8, 4096, 0, NULL, NULL",
+            "-1 EAGAIN (Resource ...)",
+        ),
+    ]
+    assert parse(text)[3].succeeded and not sync_started.succeeded
+    assert not parse(text)[4].succeeded
+
+
+SYNC_ON_EACH_LINE = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT)
+for line in sys.stdin:
+    os.fdatasync(fd)
+    print("synced", flush=True)
+"""
+
+
+async def test_traced_records_only_what_happens_while_attached(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    proc = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-c", SYNC_ON_EACH_LINE, str(data)],
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+
+    async def sync() -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(b"go\n")
+        await proc.stdin.drain()
+        assert await proc.stdout.readline() == b"synced\n"
+
+    try:
+        await sync()  # before strace attaches: not in the trace
+        async with traced(proc.pid, tmp_path / "strace.log", ["fdatasync"]) as calls:
+            await sync()
+            await sync()
+        await sync()  # after it detached: the process runs on, untraced
+    finally:
+        proc.stdin.close()
+        assert await proc.wait() == 0
+    # -y names the descriptor's file: "3</path/to/data>".
+    synced = [(c.name, c.args.partition("<")[2], c.result) for c in calls]
+    assert synced == [("fdatasync", f"{data}>", "0")] * 2
