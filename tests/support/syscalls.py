@@ -8,8 +8,13 @@ cut the power, but a trace shows the order. Usage::
         ...make the process do something...
     # calls now holds every traced call, in the order they happened
 
-strace attaches to every thread of the process and detaches afterwards; the
-process goes on as before. ``-y`` names each descriptor's file.
+    run = await trace_command(["toko-backup"], tmp_path / "trace", ["fsync"], env)
+
+``traced`` attaches to every thread of a running process and detaches
+afterwards; the process goes on as before. Calls made in the first moment
+after it attaches may be missing (strace seizes the threads, then stops each
+in turn), so a check must not hang on the very first call. ``trace_command`` runs a command
+under strace to its end. ``-y`` names each descriptor's file.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import asyncio
 import contextlib
 import re
 import signal
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,12 +73,16 @@ def parse(text: str) -> list[Call]:
     return calls
 
 
+def _strace(out: Path, syscalls: Sequence[str]) -> list[str]:
+    return [STRACE, "-f", "-y", "-s", "32", "-e", "trace=" + ",".join(syscalls), "-o", str(out)]
+
+
 @contextlib.asynccontextmanager
 async def traced(pid: int, out: Path, syscalls: Sequence[str]) -> AsyncIterator[list[Call]]:
     """Trace ``syscalls`` of every thread of ``pid`` while the block runs."""
-    only = "trace=" + ",".join(syscalls)
     proc = await asyncio.create_subprocess_exec(
-        *[STRACE, "-f", "-y", "-s", "32", "-e", only, "-o", str(out), "-p", str(pid)],
+        *_strace(out, syscalls),
+        *["-p", str(pid)],
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
@@ -92,3 +101,33 @@ async def traced(pid: int, out: Path, syscalls: Sequence[str]) -> AsyncIterator[
         async with asyncio.timeout(ATTACH_TIMEOUT_S):
             await proc.wait()
     calls.extend(parse(await asyncio.to_thread(out.read_text)))
+
+
+@dataclass(frozen=True)
+class TracedRun:
+    returncode: int
+    output: str  # stdout and stderr together
+    calls: list[Call]
+
+
+async def trace_command(
+    argv: Sequence[str],
+    out: Path,
+    syscalls: Sequence[str],
+    env: Mapping[str, str],
+    timeout: float = 60.0,  # noqa: ASYNC109
+) -> TracedRun:
+    """Run ``argv`` under strace, with exactly ``env``, to its end."""
+    proc = await asyncio.create_subprocess_exec(
+        *_strace(out, syscalls),
+        *["--", *argv],
+        env=dict(env),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    async with asyncio.timeout(timeout):
+        output, _ = await proc.communicate()
+    assert proc.returncode is not None
+    calls = parse(await asyncio.to_thread(out.read_text))
+    return TracedRun(proc.returncode, output.decode(errors="replace"), calls)
