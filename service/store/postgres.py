@@ -192,6 +192,8 @@ class PostgresStore:
         self._lost_connections = Throttle()
         self._listen_failures = Throttle()
         self._clock_skewed = False  # last said: this host's clock is off
+        # Settings every pooled session starts with, beyond the application name.
+        self._session_settings: dict[str, str] = {}
         self._write_health = WriteHealth()
 
     # lifecycle ---------------------------------------------------------------
@@ -200,7 +202,10 @@ class PostgresStore:
             "dsn": self.url,
             "password": self._password,
             # toko-backup --restore looks for application_name = toko-api.
-            "server_settings": {"application_name": self._application_name},
+            "server_settings": {
+                "application_name": self._application_name,
+                **self._session_settings,
+            },
         }
 
     async def _first_connection(self) -> asyncpg.Connection:
@@ -228,6 +233,7 @@ class PostgresStore:
             try:
                 await migrate(conn)
                 await self._check_clock(conn)
+                await self._insist_on_durable_commits(conn)
             finally:
                 await conn.close()
             self._pool = await asyncpg.create_pool(
@@ -757,6 +763,23 @@ class PostgresStore:
                     with contextlib.suppress(*_DB_ERRORS):
                         await conn.close(timeout=5)
             await asyncio.sleep(LISTEN_RETRY_SECONDS)
+
+    async def _insist_on_durable_commits(self, conn: asyncpg.Connection) -> None:
+        """A 201 promises the product survives a crash, the database's included.
+
+        With synchronous_commit off (a default some servers set for speed), a
+        commit returns before its WAL is flushed, and a database crash loses
+        the last fraction of a second of answered requests. toko's sessions
+        then ask for on; any other value already flushes locally and is kept
+        (remote_apply waits for standbys too).
+        """
+        setting = await conn.fetchval("SHOW synchronous_commit", timeout=COMMAND_TIMEOUT)
+        if setting == "off":
+            self._session_settings["synchronous_commit"] = "on"
+            log.info(
+                "the database's synchronous_commit is off: toko's own sessions use on,"
+                " so that every 201 survives a database crash"
+            )
 
     async def _check_clock(self, conn: asyncpg.Connection) -> None:
         """Warn when this host's clock strays from the database server's, and

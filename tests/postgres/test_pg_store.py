@@ -251,6 +251,38 @@ async def test_connections_are_labelled_for_restore_checks(
     assert names == [("toko-api",)]
 
 
+@pytest.mark.parametrize("default", ["off", "local", "on", "remote_apply"])
+async def test_commits_are_flushed_whatever_the_databases_default(
+    pg_cluster: PostgresCluster, pg_url: str, caplog: pytest.LogCaptureFixture, default: str
+) -> None:
+    # A default some servers set for speed: commits return before their WAL is
+    # flushed, so a database crash would lose requests already answered 201.
+    database = pg_url.rsplit("/", 1)[1]
+    await fetch(
+        pg_cluster, pg_url, f'ALTER DATABASE "{database}" SET synchronous_commit = {default}'
+    )
+    store = PostgresStore(pg_url, password=pg_cluster.password)
+    with caplog.at_level(logging.INFO, "toko.store"):
+        await store.open()
+    try:
+        # What every pooled session (the writer's included) commits with.
+        assert store._pool is not None
+        async with store._pool.acquire() as conn:
+            used = await conn.fetchval("SHOW synchronous_commit")
+    finally:
+        await store.close()
+    said = [r.getMessage() for r in caplog.records if "synchronous_commit" in r.getMessage()]
+    if default == "off":
+        assert used == "on"
+        assert said == [
+            "the database's synchronous_commit is off: toko's own sessions use on,"
+            " so that every 201 survives a database crash"
+        ]
+    else:  # each flushes locally at commit: the admin's choice stands
+        assert used == default
+        assert said == []
+
+
 async def test_a_database_that_went_away_is_a_store_error(
     pg_cluster: PostgresCluster, pg_url: str, hosts: list[PostgresStore]
 ) -> None:
