@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 APT_BUILD := python3-venv python3-dev libsystemd-dev pkg-config gcc
 # What the tests use beyond Python: the container tests boot a real systemd;
 # the store suite also runs on a throwaway PostgreSQL cluster; strace shows
-# that a commit is synced to disk before its 201 goes out.
+# what reaches the disk, and when (a commit before its 201, for one).
 APT_TEST := systemd-container debootstrap
 APT_PG := postgresql postgresql-client
 APT_TRACE := strace

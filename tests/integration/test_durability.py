@@ -1,4 +1,4 @@
-"""What the disk sees, traced with strace on a running toko-api.
+"""What reaches the disk, and when, traced with strace.
 
 A 201 means the product is on disk, so a power cut right after it loses
 nothing. No test can cut the power, but the order of system calls shows
@@ -35,8 +35,6 @@ SYNCS = ("fdatasync", "fsync")
 SOCKET_CALLS = ("recvfrom", "recvmsg", "sendto", "sendmsg")
 # How SQLite reads and writes its files (the -shm index is memory-mapped).
 FILE_IO = ("pread64", "pwrite64", "read", "write", "openat", "ftruncate")
-
-
 POSTS = 4
 
 

@@ -13,8 +13,8 @@ cut the power, but a trace shows the order. Usage::
 ``traced`` attaches to every thread of a running process and detaches
 afterwards; the process goes on as before. Calls made in the first moment
 after it attaches may be missing (strace seizes the threads, then stops each
-in turn), so a check must not hang on the very first call. ``trace_command`` runs a command
-under strace to its end. ``-y`` names each descriptor's file.
+in turn), so a check must not hang on the very first call. ``trace_command``
+runs a command under strace to its end. ``-y`` names each descriptor's file.
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ def parse(text: str) -> list[Call]:
 
 
 def _strace(out: Path, syscalls: Sequence[str]) -> list[str]:
+    # -s 32: the first 32 bytes of a buffer, enough for "POST /produk" or a
+    # status line; file names are always printed whole.
     return [STRACE, "-f", "-y", "-s", "32", "-e", "trace=" + ",".join(syscalls), "-o", str(out)]
 
 
@@ -90,7 +92,7 @@ async def traced(pid: int, out: Path, syscalls: Sequence[str]) -> AsyncIterator[
     assert proc.stderr is not None
     calls: list[Call] = []
     try:
-        # "strace: Process N attached with K threads": from here on, every call counts.
+        # "strace: Process N attached with K threads": traced from about here on.
         async with asyncio.timeout(ATTACH_TIMEOUT_S):
             line = (await proc.stderr.readline()).decode(errors="replace")
         assert "attached" in line, f"strace did not attach to {pid}: {line!r}"
