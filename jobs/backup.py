@@ -20,6 +20,7 @@ from pathlib import Path
 
 from jobs.common import JobFailed, require_database, run_job
 from service.settings import Settings
+from service.store.disk import fsync_dir, fsync_file
 from service.store.lock import InstanceLock, InstanceLocked
 from service.store.sqlite import connect
 
@@ -51,14 +52,6 @@ def check_integrity(path: Path) -> None:
         raise JobFailed(f"{path} failed the integrity check: {rows[:3]}")
 
 
-def fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def publish_backup(folder: Path, keep: int, suffix: str, write: Callable[[Path], None]) -> Path:
     """Write a backup atomically and prune old ones; both backends use it.
 
@@ -75,8 +68,7 @@ def publish_backup(folder: Path, keep: int, suffix: str, write: Callable[[Path],
     tmp.unlink(missing_ok=True)
     try:
         write(tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
+        fsync_file(tmp)
         tmp.rename(final)
         fsync_dir(folder)
     except BaseException:
@@ -140,11 +132,13 @@ def restore(database: str, source: Path) -> Path | None:
             conn.close()
             kept = db.with_name(f"{db.name}.before-restore-{backup_name(time.time())[5:-3]}")
             shutil.copy2(db, kept)
+            # On disk before the database is replaced: it may be the only
+            # copy of the newest data (its name is synced with the rename's).
+            fsync_file(kept)
         tmp = db.with_name(f".{db.name}.restoring")
         shutil.copyfile(source, tmp)
         os.chmod(tmp, 0o600)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
+        fsync_file(tmp)
         for stale in (db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
             stale.unlink(missing_ok=True)
         tmp.rename(db)

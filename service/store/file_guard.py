@@ -20,6 +20,8 @@ import sqlite3
 import time
 from pathlib import Path
 
+from service.store.disk import fsync_dir, fsync_file
+
 log = logging.getLogger("toko.store")
 
 
@@ -116,13 +118,8 @@ def _copy(conn: sqlite3.Connection, target: Path) -> None:
             dest.execute("PRAGMA journal_mode = DELETE")  # one self-contained file
         finally:
             dest.close()
-        with open(target, "rb") as fh:
-            os.fsync(fh.fileno())
-        folder = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(folder)  # and its name in the folder
-        finally:
-            os.close(folder)
+        fsync_file(target)
+        fsync_dir(target.parent)
     except BaseException:
         target.unlink(missing_ok=True)
         raise

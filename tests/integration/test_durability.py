@@ -11,11 +11,12 @@ database happens on another thread, which is what keeps the watchdog honest.
 
 A backup is synced before it gets its name, and the name is synced after, so
 a crash leaves the whole backup or none, never a truncated one that looks
-complete.
+complete. A restore keeps the database it replaces, synced before the swap.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from collections.abc import Callable
@@ -35,7 +36,9 @@ SYNCS = ("fdatasync", "fsync")
 SOCKET_CALLS = ("recvfrom", "recvmsg", "sendto", "sendmsg")
 # How SQLite reads and writes its files (the -shm index is memory-mapped).
 FILE_IO = ("pread64", "pwrite64", "read", "write", "openat", "ftruncate")
+RENAMES = ("rename", "renameat", "renameat2")
 POSTS = 4
+TOKO_BACKUP = str(Path(sys.executable).parent / "toko-backup")
 
 
 def _where(calls: list[Call], matches: Callable[[Call], bool]) -> list[int]:
@@ -121,35 +124,68 @@ async def test_the_event_loop_thread_never_touches_the_database_files(
     )
 
 
-async def test_a_backup_is_on_disk_before_it_gets_its_name(tmp_path: Path) -> None:
-    database, folder = tmp_path / "toko.db", tmp_path / "backups"
-    store = SqliteStore(str(database))
+async def _a_shop_with_backups(tmp_path: Path) -> dict[str, str]:
+    """A database with a product in ``tmp_path``: toko-backup's environment for it."""
+    store = SqliteStore(str(tmp_path / "toko.db"))
     await store.open()
     try:
         await store.create_product("Kopi", 1, lambda p: product_email_job(p, 3))
     finally:
         await store.close()
-    env = {
+    return {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "LANG": "C.UTF-8",
-        "TOKO_DATABASE": str(database),
-        "TOKO_BACKUP_DIR": str(folder),
+        "TOKO_DATABASE": str(tmp_path / "toko.db"),
+        "TOKO_BACKUP_DIR": str(tmp_path / "backups"),
     }
-    toko_backup = str(Path(sys.executable).parent / "toko-backup")
-    renames = ("rename", "renameat", "renameat2")
-    run = await trace_command([toko_backup], tmp_path / "strace.log", SYNCS + renames, env)
+
+
+def _synced(calls: list[Call], path: Path) -> list[int]:
+    """Where a sync of ``path`` (a file or a folder) returned successfully."""
+    return _where(calls, lambda c: c.name in SYNCS and c.args.endswith(f"<{path}>") and c.succeeded)
+
+
+async def test_a_backup_is_on_disk_before_it_gets_its_name(tmp_path: Path) -> None:
+    env = await _a_shop_with_backups(tmp_path)
+    folder = tmp_path / "backups"
+    run = await trace_command([TOKO_BACKUP], tmp_path / "strace.log", SYNCS + RENAMES, env)
     assert run.returncode == 0, run.output
-    (backup,) = folder.glob("toko-*.db")
+    (backup,) = await asyncio.to_thread(lambda: list(folder.glob("toko-*.db")))
     partial = folder / f".{backup.name}.partial"
 
     calls = run.calls
-    (renamed,) = _where(calls, lambda c: c.name in renames and f'"{partial}"' in c.args)
-    content_synced = _where(calls, lambda c: c.name in SYNCS and f"<{partial}>" in c.args)
-    name_synced = _where(calls, lambda c: c.name in SYNCS and c.args.endswith(f"<{folder}>"))
+    (renamed,) = _where(calls, lambda c: c.name in RENAMES and f'"{partial}"' in c.args)
     trace = "\n".join(f"{i:3d} {call}" for i, call in enumerate(calls))
-    assert any(i < renamed and calls[i].succeeded for i in content_synced), (
+    assert any(i < renamed for i in _synced(calls, partial)), (
         f"the backup was not synced before its rename at {renamed}:\n{trace}"
     )
-    assert any(i > renamed and calls[i].succeeded for i in name_synced), (
+    assert any(i > renamed for i in _synced(calls, folder)), (
         f"the backups folder was not synced after the rename at {renamed}:\n{trace}"
+    )
+
+
+async def test_a_restore_keeps_the_previous_database_on_disk_before_replacing_it(
+    tmp_path: Path,
+) -> None:
+    env = await _a_shop_with_backups(tmp_path)
+    made = await trace_command([TOKO_BACKUP], tmp_path / "backup.log", SYNCS, env)
+    assert made.returncode == 0, made.output
+    (backup,) = await asyncio.to_thread(lambda: list((tmp_path / "backups").glob("toko-*.db")))
+
+    restore = [TOKO_BACKUP, "--restore", str(backup)]
+    run = await trace_command(restore, tmp_path / "strace.log", SYNCS + RENAMES, env)
+    assert run.returncode == 0, run.output
+    (kept,) = await asyncio.to_thread(lambda: list(tmp_path.glob("toko.db.before-restore-*")))
+    restoring = tmp_path / ".toko.db.restoring"
+
+    calls = run.calls
+    (renamed,) = _where(calls, lambda c: c.name in RENAMES and f'"{restoring}"' in c.args)
+    trace = "\n".join(f"{i:3d} {call}" for i, call in enumerate(calls))
+    # The previous database may hold the newest data: it is kept, on disk.
+    for path in (kept, restoring):
+        assert any(i < renamed for i in _synced(calls, path)), (
+            f"{path.name} was not synced before the database was replaced at {renamed}:\n{trace}"
+        )
+    assert any(i > renamed for i in _synced(calls, tmp_path)), (
+        f"the database's folder was not synced after the rename at {renamed}:\n{trace}"
     )
