@@ -29,6 +29,7 @@ import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 from jobs.backup import PREFIX, backup_name, list_backups, publish_backup
 from jobs.common import JobFailed
 from service.settings import Settings
+from service.store.disk import fsync_dir, fsync_file
 from service.store.pg_migrations import MIGRATION_LOCK
 from service.store.postgres import redact
 
@@ -151,6 +152,9 @@ async def _restore(settings: Settings, source: Path, folder: Path) -> Path | Non
             # Not named toko-*: pruning never removes it.
             kept = folder / f"before-restore-{backup_name(time.time(), SUFFIX)[len(PREFIX) :]}"
             await asyncio.to_thread(_dump, settings, kept)
+            # On disk, name included, before pg_restore replaces what it holds.
+            await asyncio.to_thread(fsync_file, kept)
+            await asyncio.to_thread(fsync_dir, folder)
         await asyncio.to_thread(
             _run,
             settings,

@@ -25,9 +25,10 @@ from service.settings import Settings
 from service.store.postgres import PostgresStore
 from service.tasks import product_email_job
 from tests.conftest import ServiceFactory
-from tests.postgres.conftest import pg_env, run_tool
+from tests.postgres.conftest import clean_env, pg_env, run_tool, tool_command
 from tests.support.api import create_product, wait_healthy
 from tests.support.postgres import PostgresCluster, fetch
+from tests.support.syscalls import trace_command
 
 TABLES = {
     "products": "SELECT id, nama, harga, created_at FROM products ORDER BY id",
@@ -167,6 +168,43 @@ async def test_backup_while_writing_restores_into_an_empty_database(
     assert kept not in pg_backup.list_backups(backups, pg_backup.SUFFIX)  # never pruned
     for url in (empty, second):
         await pg_cluster.async_drop_database(url)
+
+
+async def test_a_restore_keeps_the_replaced_contents_on_disk_before_replacing_them(
+    tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    store = PostgresStore(pg_url, password=pg_cluster.password)
+    await store.open()
+    try:
+        await store.create_product("Kopi", 1, _job)
+    finally:
+        await store.close()
+    backups = tmp_path / "backups"
+    env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(backups))
+    made = await asyncio.to_thread(run_tool, "toko-backup", tmp_path / "run", env)
+    assert made.returncode == 0, made.stderr
+    archive = printed(made.stdout)[-1]
+
+    # strace follows toko-backup into the pg_dump of the current contents,
+    # then into the pg_restore that replaces them.
+    argv = tool_command("toko-backup", "--restore", archive)
+    calls = ("fsync", "fdatasync", "execve")
+    run = await trace_command(argv, tmp_path / "strace.log", calls, clean_env(tmp_path, env))
+    assert run.returncode == 0, run.output
+    (kept,) = await asyncio.to_thread(lambda: list(backups.glob("before-restore-*")))
+    trace = "\n".join(f"{i:3d} {call}" for i, call in enumerate(run.calls))
+    (replacing,) = [  # not the pg_restore --list that checks the archive first
+        i for i, c in enumerate(run.calls) if c.name == "execve" and '"--clean"' in c.args
+    ]
+    for path in (kept, backups):  # its contents, and its name in the folder
+        synced = [
+            i
+            for i, c in enumerate(run.calls)
+            if c.name in ("fsync", "fdatasync") and c.args.endswith(f"<{path}>") and c.succeeded
+        ]
+        assert any(i < replacing for i in synced), (
+            f"{path} was not synced before pg_restore started at {replacing}:\n{trace}"
+        )
 
 
 def _job(product: Product) -> object:
