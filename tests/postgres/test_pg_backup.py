@@ -173,12 +173,7 @@ async def test_backup_while_writing_restores_into_an_empty_database(
 async def test_a_restore_keeps_the_replaced_contents_on_disk_before_replacing_them(
     tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
 ) -> None:
-    store = PostgresStore(pg_url, password=pg_cluster.password)
-    await store.open()
-    try:
-        await store.create_product("Kopi", 1, _job)
-    finally:
-        await store.close()
+    await _seed(pg_cluster, pg_url, 1)
     backups = tmp_path / "backups"
     env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(backups))
     made = await asyncio.to_thread(run_tool, "toko-backup", tmp_path / "run", env)
@@ -211,15 +206,19 @@ def _job(product: Product) -> object:
     return product_email_job(product, 3)
 
 
+async def _seed(cluster: PostgresCluster, url: str, products: int) -> None:
+    store = PostgresStore(url, password=cluster.password)
+    await store.open()
+    try:
+        await asyncio.gather(*(store.create_product(f"p{i}", i, _job) for i in range(products)))
+    finally:
+        await store.close()
+
+
 async def test_backups_are_pruned_and_verified(
     tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
 ) -> None:
-    store = PostgresStore(pg_url, password=pg_cluster.password)
-    await store.open()
-    try:
-        await asyncio.gather(*(store.create_product(f"p{i}", i, _job) for i in range(5)))
-    finally:
-        await store.close()
+    await _seed(pg_cluster, pg_url, 5)
     settings = Settings(database=pg_url, database_password=pg_cluster.password)
     folder = tmp_path / "b"
     made = []
