@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -28,9 +27,8 @@ from service.store.sqlite import SqliteStore
 from service.tasks import product_email_job
 from tests.conftest import ServiceFactory
 from tests.support.api import wait_healthy
-from tests.support.syscalls import Call, trace_command, traced
+from tests.support.syscalls import SYNCS, numbered, synced, trace_command, traced, where
 
-SYNCS = ("fdatasync", "fsync")
 # The request comes in with recvfrom; the answer goes out with send (sendto)
 # or, on newer Pythons, the transport's writelines (sendmsg).
 SOCKET_CALLS = ("recvfrom", "recvmsg", "sendto", "sendmsg")
@@ -39,10 +37,6 @@ FILE_IO = ("pread64", "pwrite64", "read", "write", "openat", "ftruncate")
 RENAMES = ("rename", "renameat", "renameat2")
 POSTS = 4
 TOKO_BACKUP = str(Path(sys.executable).parent / "toko-backup")
-
-
-def _where(calls: list[Call], matches: Callable[[Call], bool]) -> list[int]:
-    return [index for index, call in enumerate(calls) if matches(call)]
 
 
 def _exchanges(requests: list[int], answers: list[int]) -> list[tuple[int, int]]:
@@ -66,7 +60,6 @@ async def test_every_201_goes_out_after_its_commit_is_synced_to_disk(
 ) -> None:
     svc = service_factory().start()
     await svc.async_wait_ready(timeout=20)
-    wal = f"{svc.database}-wal>"
     async with (
         traced(svc.pid, tmp_path / "strace.log", SYNCS + SOCKET_CALLS) as calls,
         aiohttp.ClientSession() as session,
@@ -79,20 +72,20 @@ async def test_every_201_goes_out_after_its_commit_is_synced_to_disk(
             ) as resp:
                 assert resp.status == 201, await resp.text()
 
-    requests = _where(calls, lambda c: '"POST /produk' in c.args)
-    answers = _where(calls, lambda c: '"HTTP/1.1 201' in c.args)
-    synced = _where(calls, lambda c: c.name in SYNCS and wal in c.args and c.succeeded)
-    trace = "\n".join(f"{i:3d} {calls[i]}" for i in sorted({*requests, *answers, *synced}))
+    requests = where(calls, lambda c: '"POST /produk' in c.args)
+    answers = where(calls, lambda c: '"HTTP/1.1 201' in c.args)
+    wal_synced = synced(calls, Path(f"{svc.database}-wal"))
+    trace = numbered(calls, {*requests, *answers, *wal_synced})
     exchanges = _exchanges(requests, answers)
     assert len(exchanges) >= POSTS - 1, trace
     for request, answer in exchanges:
-        assert any(request < index < answer for index in synced), (
+        assert any(request < index < answer for index in wal_synced), (
             f"the write-ahead log was not synced between the request at {request} "
             f"and its 201 at {answer}:\n{trace}"
         )
     # And the event loop's thread (the one reading requests) never waits on the disk.
     loop_thread = calls[requests[0]].tid
-    assert all(calls[index].tid != loop_thread for index in synced), trace
+    assert all(calls[index].tid != loop_thread for index in wal_synced), trace
 
 
 async def test_the_event_loop_thread_never_touches_the_database_files(
@@ -114,8 +107,8 @@ async def test_the_event_loop_thread_never_touches_the_database_files(
             async with session.get(svc.url(path)) as resp:
                 assert resp.status == 200, (path, await resp.text())
 
-    requests = _where(calls, lambda c: '"GET /metrics' in c.args)
-    on_disk = _where(calls, lambda c: f"<{database}" in c.args)
+    requests = where(calls, lambda c: '"GET /metrics' in c.args)
+    on_disk = where(calls, lambda c: f"<{database}" in c.args)
     assert requests and on_disk, calls
     loop_thread = calls[requests[0]].tid
     on_loop = [calls[i] for i in on_disk if calls[i].tid == loop_thread]
@@ -140,11 +133,6 @@ async def _a_shop_with_backups(tmp_path: Path) -> dict[str, str]:
     }
 
 
-def _synced(calls: list[Call], path: Path) -> list[int]:
-    """Where a sync of ``path`` (a file or a folder) returned successfully."""
-    return _where(calls, lambda c: c.name in SYNCS and c.args.endswith(f"<{path}>") and c.succeeded)
-
-
 async def test_a_backup_is_on_disk_before_it_gets_its_name(tmp_path: Path) -> None:
     env = await _a_shop_with_backups(tmp_path)
     folder = tmp_path / "backups"
@@ -154,12 +142,12 @@ async def test_a_backup_is_on_disk_before_it_gets_its_name(tmp_path: Path) -> No
     partial = folder / f".{backup.name}.partial"
 
     calls = run.calls
-    (renamed,) = _where(calls, lambda c: c.name in RENAMES and f'"{partial}"' in c.args)
-    trace = "\n".join(f"{i:3d} {call}" for i, call in enumerate(calls))
-    assert any(i < renamed for i in _synced(calls, partial)), (
+    (renamed,) = where(calls, lambda c: c.name in RENAMES and f'"{partial}"' in c.args)
+    trace = numbered(calls)
+    assert any(i < renamed for i in synced(calls, partial)), (
         f"the backup was not synced before its rename at {renamed}:\n{trace}"
     )
-    assert any(i > renamed for i in _synced(calls, folder)), (
+    assert any(i > renamed for i in synced(calls, folder)), (
         f"the backups folder was not synced after the rename at {renamed}:\n{trace}"
     )
 
@@ -179,13 +167,13 @@ async def test_a_restore_keeps_the_previous_database_on_disk_before_replacing_it
     restoring = tmp_path / ".toko.db.restoring"
 
     calls = run.calls
-    (renamed,) = _where(calls, lambda c: c.name in RENAMES and f'"{restoring}"' in c.args)
-    trace = "\n".join(f"{i:3d} {call}" for i, call in enumerate(calls))
+    (renamed,) = where(calls, lambda c: c.name in RENAMES and f'"{restoring}"' in c.args)
+    trace = numbered(calls)
     # The previous database may hold the newest data: it is kept, on disk.
     for path in (kept, restoring):
-        assert any(i < renamed for i in _synced(calls, path)), (
+        assert any(i < renamed for i in synced(calls, path)), (
             f"{path.name} was not synced before the database was replaced at {renamed}:\n{trace}"
         )
-    assert any(i > renamed for i in _synced(calls, tmp_path)), (
+    assert any(i > renamed for i in synced(calls, tmp_path)), (
         f"the database's folder was not synced after the rename at {renamed}:\n{trace}"
     )

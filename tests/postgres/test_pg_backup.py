@@ -28,7 +28,7 @@ from tests.conftest import ServiceFactory
 from tests.postgres.conftest import clean_env, pg_env, run_tool, tool_command
 from tests.support.api import create_product, wait_healthy
 from tests.support.postgres import PostgresCluster, fetch
-from tests.support.syscalls import trace_command
+from tests.support.syscalls import SYNCS, numbered, synced, trace_command, where
 
 TABLES = {
     "products": "SELECT id, nama, harga, created_at FROM products ORDER BY id",
@@ -183,21 +183,15 @@ async def test_a_restore_keeps_the_replaced_contents_on_disk_before_replacing_th
     # strace follows toko-backup into the pg_dump of the current contents,
     # then into the pg_restore that replaces them.
     argv = tool_command("toko-backup", "--restore", archive)
-    calls = ("fsync", "fdatasync", "execve")
+    calls = (*SYNCS, "execve")
     run = await trace_command(argv, tmp_path / "strace.log", calls, clean_env(tmp_path, env))
     assert run.returncode == 0, run.output
     (kept,) = await asyncio.to_thread(lambda: list(backups.glob("before-restore-*")))
-    trace = "\n".join(f"{i:3d} {call}" for i, call in enumerate(run.calls))
-    (replacing,) = [  # not the pg_restore --list that checks the archive first
-        i for i, c in enumerate(run.calls) if c.name == "execve" and '"--clean"' in c.args
-    ]
+    trace = numbered(run.calls)
+    # Not the pg_restore --list that checks the archive first.
+    (replacing,) = where(run.calls, lambda c: c.name == "execve" and '"--clean"' in c.args)
     for path in (kept, backups):  # its contents, and its name in the folder
-        synced = [
-            i
-            for i, c in enumerate(run.calls)
-            if c.name in ("fsync", "fdatasync") and c.args.endswith(f"<{path}>") and c.succeeded
-        ]
-        assert any(i < replacing for i in synced), (
+        assert any(i < replacing for i in synced(run.calls, path)), (
             f"{path} was not synced before pg_restore started at {replacing}:\n{trace}"
         )
 

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import re
 import signal
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +71,25 @@ def parse(text: str) -> list[Call]:
             calls.append(Call(tid, match[1], match[2], match[3]))
         # Anything else is a signal or an exit: "--- SIGCHLD ...", "+++ exited ...".
     return calls
+
+
+SYNCS = ("fdatasync", "fsync")
+
+
+def where(calls: Sequence[Call], matches: Callable[[Call], bool]) -> list[int]:
+    """The places in ``calls`` of those that match."""
+    return [index for index, call in enumerate(calls) if matches(call)]
+
+
+def synced(calls: Sequence[Call], path: Path) -> list[int]:
+    """Where a sync of ``path`` (a file or a folder) returned successfully."""
+    return where(calls, lambda c: c.name in SYNCS and c.args.endswith(f"<{path}>") and c.succeeded)
+
+
+def numbered(calls: Sequence[Call], only: Collection[int] | None = None) -> str:
+    """The calls (or those at ``only``), one per line with their place: for failures."""
+    places = sorted(only) if only is not None else range(len(calls))
+    return "\n".join(f"{i:3d} {calls[i]}" for i in places)
 
 
 def _strace(out: Path, syscalls: Sequence[str]) -> list[str]:
