@@ -3,7 +3,8 @@
 #   sudo make install        (from a checkout)
 # Installs the build packages it needs, the system user toko, a virtualenv in
 # /opt/toko/venv with this checkout, the units, /etc/toko/toko.env and the API
-# token /etc/toko/api-token (both only when missing), and enables and starts
+# token /etc/toko/api-token (both only when missing, or the token when empty),
+# synced to disk, and enables and starts
 # toko-api.socket, toko-api.service and both timers. Running it again upgrades in place and keeps the data in /var/lib/toko.
 set -eu
 
@@ -94,19 +95,26 @@ if [ -e "$CONF_DIR/toko.env" ]; then
 else
     say "writing $CONF_DIR/toko.env (edit it, then: systemctl restart toko-api)"
     install -m 0640 -o root -g "$USER_NAME" "$SRC/deploy/toko.env.example" "$CONF_DIR/toko.env"
+    sync "$CONF_DIR/toko.env" "$CONF_DIR"
 fi
 
 # The write token: toko-api gets it as a credential (LoadCredential=), the
-# service user cannot read the file. Created once; upgrades keep it.
-if [ -e "$CONF_DIR/api-token" ]; then
+# service user cannot read the file. Created once; upgrades keep it. An empty
+# one, which toko-api refuses, is what a power cut during the first install can
+# leave: replace it rather than keep a service that cannot start.
+if [ -s "$CONF_DIR/api-token" ]; then
     say "keeping the API token $CONF_DIR/api-token"
 else
+    [ ! -e "$CONF_DIR/api-token" ] || say "the API token $CONF_DIR/api-token is empty"
     say "writing a new API token to $CONF_DIR/api-token (clients send it as: Authorization: Bearer <token>)"
     (
         umask 077
         head -c 32 /dev/urandom | base64 | tr -d '+/=\n' >"$CONF_DIR/api-token.new"
     )
+    # On disk before it gets its name, and the new name on disk after.
+    sync "$CONF_DIR/api-token.new"
     mv "$CONF_DIR/api-token.new" "$CONF_DIR/api-token"
+    sync "$CONF_DIR"
 fi
 
 if [ ! -d /run/systemd/system ]; then

@@ -333,13 +333,17 @@ class Machine:
 
     # -- commands inside
 
+    def command(self, argv: list[str]) -> list[str]:
+        """The host's command line that runs ``argv`` inside the container as root,
+        in a clean environment, as an admin's shell would."""
+        return ["nsenter", "-t", str(self.init_pid), "-a", "env", "-i", f"PATH={PATH}", *argv]
+
     def run(
         self, argv: list[str], *, check: bool = True, timeout: float = 120, input: str | None = None
     ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` inside the container in a clean root environment."""
-        cmd = ["nsenter", "-t", str(self.init_pid), "-a", "env", "-i", f"PATH={PATH}", *argv]
         proc = subprocess.run(
-            cmd,
+            self.command(argv),
             capture_output=True,
             text=True,
             timeout=timeout,

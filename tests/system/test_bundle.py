@@ -7,11 +7,14 @@ and the ones that change the configuration put it back.
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
 import secrets
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +22,8 @@ import trustme
 
 from tests.support.faults import FATAL_PRODUCT, FATAL_WRITER
 from tests.support.smtp import SmtpServer, server_tls
-from tests.system.deployment import INSTALLED_UNITS, Deployment
+from tests.support.syscalls import SYNCS, numbered, synced, trace_command, where
+from tests.system.deployment import CHECKOUT, ENV_FILE, INSTALLED_UNITS, TOKEN_FILE, Deployment
 from tests.system.machine import log, wait_until
 
 # A cold run debootstraps and installs inside the first test's time.
@@ -523,6 +527,47 @@ def test_mail_to_a_provider_logs_in_with_the_credential_over_checked_tls(
             toko.machine.run(["rm", "-f", anchor, drop_in, "/etc/toko/smtp-password"])
             toko.machine.run(["update-ca-certificates", "--fresh"])
             toko.machine.run(["systemctl", "daemon-reload"])
+
+
+def test_reinstall_writes_a_missing_configuration_and_an_empty_token_to_disk(
+    toko: Deployment, tmp_path: Path
+) -> None:
+    # A power cut soon after the first install could leave the token file
+    # empty (written, never synced). toko-api refuses an empty token, so the
+    # installer must not keep one: it writes a new token, synced before it gets
+    # its name, and the name synced after. A toko.env it writes is synced too.
+    kept_env = ENV_FILE + ".kept-by-test"
+    toko.machine.run(["mv", ENV_FILE, kept_env])
+    toko.machine.run(["truncate", "-s", "0", TOKEN_FILE])
+    pid = toko.main_pid()
+    try:
+        run = asyncio.run(
+            trace_command(
+                toko.machine.command(["sh", "-c", f"cd {CHECKOUT} && make install"]),
+                tmp_path / "install.trace",
+                [*SYNCS, "rename", "renameat", "renameat2"],
+                env={"PATH": os.environ["PATH"]},
+                timeout=600,
+            )
+        )
+    finally:
+        toko.machine.run(["mv", kept_env, ENV_FILE])
+    assert run.returncode == 0, run.output[-3000:]
+    assert f"API token {TOKEN_FILE} is empty" in run.output
+    toko.wait_serving(old_pid=pid)
+    stat = toko.machine.run(["stat", "-c", "%a %U", TOKEN_FILE]).stdout.split()
+    assert stat == ["600", "root"]
+    assert toko.read_token()
+    assert toko.post_product("Token setelah listrik padam")["id"] > 0
+
+    calls = run.calls
+    token, folder = Path(TOKEN_FILE + ".new"), Path(TOKEN_FILE).parent
+    in_folder = numbered(calls, where(calls, lambda c: str(folder) in c.args))
+    renamed = where(calls, lambda c: f'"{token}"' in c.args and c.succeeded)
+    assert len(renamed) == 1, in_folder
+    assert [i for i in synced(calls, token) if i < renamed[0]], in_folder
+    assert [i for i in synced(calls, folder) if i > renamed[0]], in_folder
+    assert synced(calls, Path(ENV_FILE)), in_folder
 
 
 def test_reinstall_upgrades_in_place_and_keeps_data(toko: Deployment) -> None:
