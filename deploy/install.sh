@@ -3,9 +3,10 @@
 #   sudo make install        (from a checkout)
 # Installs the build packages it needs, the system user toko, a virtualenv in
 # /opt/toko/venv with this checkout, the units, /etc/toko/toko.env and the API
-# token /etc/toko/api-token (both only when missing, or the token when empty),
-# synced to disk, and enables and starts
-# toko-api.socket, toko-api.service and both timers. Running it again upgrades in place and keeps the data in /var/lib/toko.
+# token /etc/toko/api-token (both only when missing, or the token when empty;
+# synced to disk), and enables and starts toko-api.socket, toko-api.service and
+# both timers. Running it again upgrades in place and keeps the data in
+# /var/lib/toko.
 set -eu
 
 PREFIX=/opt/toko
