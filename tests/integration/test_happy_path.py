@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import zlib
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -14,6 +16,7 @@ import aiohttp
 from tests.conftest import ServiceFactory
 from tests.support import db
 from tests.support.api import create_products, next_link, wait_healthy
+from tests.support.service import TOKO_API
 from tests.support.smtp import SmtpServer
 
 
@@ -160,3 +163,30 @@ async def test_message_id_is_stable_across_retries(
     assert rejected.message_id == mid
     assert rejected.at < smtp.delivered()[0].at
     assert rejected.raw != b"" and smtp.delivered()[0].subject == rejected.subject
+
+
+async def test_every_email_greets_the_server_with_the_name_the_host_had_at_start(
+    service_factory: ServiceFactory, smtp: SmtpServer, tmp_path: Path
+) -> None:
+    # toko-api runs in a UTS namespace of its own, under a host name of its
+    # own. It gives that name in every EHLO, as aiosmtplib would by itself, but
+    # looks it up once: a renamed host is picked up at the next start.
+    wrapper = tmp_path / "toko-api-on-its-own-host"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'exec unshare --uts sh -c \'hostname kasir.toko.test && exec "$0" "$@"\' '
+        f'{TOKO_API} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    svc = service_factory({"TOKO_SMTP_URL": smtp.url}, executable=wrapper).start()
+    await svc.async_wait_ready(timeout=20)
+    async with aiohttp.ClientSession() as session:
+        await create_products(session, svc.base_url, ["Satu", "Dua"])
+        await smtp.async_wait_delivered(2, timeout=15)
+        rename = await asyncio.create_subprocess_exec(
+            *["nsenter", "-t", str(svc.pid), "-u", "hostname", "gudang.toko.test"]
+        )
+        assert await rename.wait() == 0
+        await create_products(session, svc.base_url, ["Tiga"])
+        await smtp.async_wait_delivered(3, timeout=15)
+    assert [m.helo for m in smtp.delivered()] == ["kasir.toko.test"] * 3

@@ -76,6 +76,7 @@ class SmtpMessage:
     at: float  # time.monotonic() when recorded
     tls: bool = False  # the session was encrypted (STARTTLS or implicit TLS)
     login: str | None = None  # the user it authenticated as
+    helo: str | None = None  # the name the client gave in EHLO (or HELO)
 
     @property
     def headers(self) -> email.message.EmailMessage:
@@ -114,7 +115,9 @@ class _Handler:
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         auth = session.auth_data
         login = auth.login.decode() if isinstance(auth, LoginPassword) else None
-        return await self._server._handle(envelope, tls=_encrypted(server), login=login)
+        return await self._server._handle(
+            envelope, tls=_encrypted(server), login=login, helo=session.host_name
+        )
 
 
 @dataclass(frozen=True)
@@ -313,7 +316,9 @@ class SmtpServer:
         with self._lock:
             return address in self._behaviour.refuse_rcpt
 
-    async def _handle(self, envelope: Envelope, *, tls: bool, login: str | None) -> str:
+    async def _handle(
+        self, envelope: Envelope, *, tls: bool, login: str | None, helo: str | None
+    ) -> str:
         raw = envelope.original_content or b""
         parsed = email.message_from_bytes(raw, policy=email.policy.default)
         message_id = str(parsed.get("Message-ID", "")).strip()
@@ -328,6 +333,7 @@ class SmtpServer:
             at=time.monotonic(),
             tls=tls,
             login=login,
+            helo=helo,
         )
         self.arrivals.append(arrived)
         with self._lock:
