@@ -18,9 +18,9 @@ Usage::
     SmtpServer(account=("shop", "pw"))         # offers AUTH (over TLS only, unless
                                                # auth_in_clear=True); url has the user
 
-Each message records whether it came over TLS and as which login; every AUTH
-attempt is recorded in :attr:`SmtpServer.logins`, so a test can tell that a
-password never reached the server.
+Each message records whether it came over TLS, as which login, and the name the
+client gave in EHLO; every AUTH attempt is recorded in :attr:`SmtpServer.logins`,
+so a test can tell that a password never reached the server.
 
 Every message that reaches the end of DATA is recorded in :attr:`SmtpServer.log`
 (a :class:`~tests.support.recorder.Recorder`) with its outcome, *including*
