@@ -31,6 +31,15 @@ class MailError(Exception):
         self.permanent = permanent
 
 
+class RecipientsDeferred(MailError):
+    """The server deferred some recipients (4xx) and accepted or refused for
+    good the others: only ``deferred`` are worth sending the email again."""
+
+    def __init__(self, message: str, deferred: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.deferred = deferred
+
+
 def message_id(job_id: int, mail_from: str) -> str:
     domain = mail_from.rpartition("@")[2] or "localhost"
     return f"<job-{job_id}@{domain}>"
@@ -45,10 +54,18 @@ class Email:
     body: str
     # Structured log fields of the job behind this email (JOB_KIND, PRODUCT_ID, ...).
     fields: Mapping[str, object] = field(default_factory=dict)
+    # Whom to send it to, when only some of ``to`` still need it (a server had
+    # deferred them). Empty: everyone in ``to``.
+    resend_to: tuple[str, ...] = ()
 
     @property
     def message_id(self) -> str:
         return message_id(self.job_id, self.mail_from)
+
+    @property
+    def recipients(self) -> tuple[str, ...]:
+        """The envelope's recipients (RCPT TO)."""
+        return self.resend_to or self.to
 
     def to_mime(self) -> EmailMessage:
         msg = EmailMessage()
@@ -64,13 +81,16 @@ class Email:
         return msg
 
     def log_fields(self) -> dict[str, object]:
-        return {
+        fields = {
             **self.fields,
             "JOB_ID": self.job_id,
             "TO": ", ".join(self.to),
             "SUBJECT": self.subject,
             "MESSAGE_ID": self.message_id,
         }
+        if self.resend_to:
+            fields["RESEND_TO"] = ", ".join(self.resend_to)
+        return fields
 
 
 class Mailer(Protocol):
@@ -135,7 +155,7 @@ class SmtpMailer:
         try:
             try:
                 await client.connect()
-                refused, _ = await client.send_message(msg)
+                refused, _ = await client.send_message(msg, recipients=list(email.recipients))
             except BaseException:
                 # Abort at once: aiosmtplib's own clean-up would wait for a
                 # QUIT reply, which stalls a cancelled send (a drain) for long.
@@ -146,10 +166,16 @@ class SmtpMailer:
                 f"SMTP {exc.code}: {exc.message}", permanent=500 <= exc.code < 600
             ) from exc
         except aiosmtplib.SMTPRecipientsRefused as exc:
-            codes = [r.code for r in exc.recipients]
-            raise MailError(
-                f"recipients refused: {exc}", permanent=all(500 <= c < 600 for c in codes)
-            ) from exc
+            replies = {
+                r.recipient: aiosmtplib.SMTPResponse(r.code, r.message) for r in exc.recipients
+            }
+            message = f"recipients refused: {_describe(replies)}"
+            deferred = _deferred(replies)
+            if not deferred:
+                raise MailError(message, permanent=True) from exc
+            if len(deferred) < len(replies):  # the rest are refused for good
+                raise RecipientsDeferred(message, deferred) from exc
+            raise MailError(message) from exc
         except (aiosmtplib.SMTPException, OSError) as exc:
             raise MailError(f"SMTP delivery failed: {exc}") from exc
         try:
@@ -159,16 +185,25 @@ class SmtpMailer:
         finally:
             client.close()
         if refused:
-            # The others have it: a retry would send them the email again.
             log.warning(
                 "email sent, but some recipients were refused",
-                extra={
-                    **email.log_fields(),
-                    "REFUSED": "; ".join(
-                        f"{address}: {reply.code} {reply.message}"
-                        for address, reply in refused.items()
-                    ),
-                },
+                extra={**email.log_fields(), "REFUSED": _describe(refused)},
             )
+            # The others have it: a retry goes to the deferred alone, and none
+            # goes to addresses refused for good.
+            deferred = _deferred(refused)
+            if deferred:
+                raise RecipientsDeferred(f"recipients deferred: {_describe(refused)}", deferred)
             return
         log.info("email sent", extra=email.log_fields())
+
+
+def _describe(replies: Mapping[str, aiosmtplib.SMTPResponse]) -> str:
+    return "; ".join(
+        f"{address}: {reply.code} {reply.message}" for address, reply in replies.items()
+    )
+
+
+def _deferred(replies: Mapping[str, aiosmtplib.SMTPResponse]) -> tuple[str, ...]:
+    """The recipients refused for now (4xx): worth another attempt."""
+    return tuple(address for address, reply in replies.items() if 400 <= reply.code < 500)

@@ -70,6 +70,17 @@ class Job:
     last_error: str | None = None
 
 
+class PartlyDone(Exception):
+    """An attempt that did part of its job. It is retried like any failure, but
+    the next attempt gets ``payload``, which says only what is left to do (the
+    recipients still waiting for an email, say), so what was done is not done
+    twice."""
+
+    def __init__(self, message: str, payload: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.payload = payload
+
+
 def leased_job(job_id: int, job: NewJob, run_at: float) -> Job:
     """The Job a store wrote for ``job`` enqueued with ``leased_for`` (already claimed)."""
     return Job(job_id, job.kind, job.payload, "running", 1, job.max_attempts, run_at)

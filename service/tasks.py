@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from service.mail import Email, Mailer
-from service.models import Job, NewJob, Product
+from service.mail import Email, Mailer, RecipientsDeferred
+from service.models import Job, NewJob, PartlyDone, Product
 
 PRODUCT_EMAIL = "product_email"
 RECAP_EMAIL = "recap_email"
@@ -78,16 +78,7 @@ async def send_product_email(job: Job, ctx: JobContext) -> None:
         f"Nama:  {p['nama']}\n"
         f"Harga: {_rupiah(p['harga'])}\n"
     )
-    await ctx.mailer.send(
-        Email(
-            job_id=job.id,
-            mail_from=ctx.mail_from,
-            to=ctx.admin_emails,
-            subject=f"Produk baru: {p['nama']}",
-            body=body,
-            fields=job_fields(job),
-        )
-    )
+    await _email_admins(job, ctx, f"Produk baru: {p['nama']}", body)
 
 
 async def send_recap_email(job: Job, ctx: JobContext) -> None:
@@ -97,16 +88,7 @@ async def send_recap_email(job: Job, ctx: JobContext) -> None:
         f"Produk baru:   {p['products_new']}\n"
         f"Total produk:  {p['products_total']}\n"
     )
-    await ctx.mailer.send(
-        Email(
-            job_id=job.id,
-            mail_from=ctx.mail_from,
-            to=ctx.admin_emails,
-            subject=f"Rekap produk {p['period']}",
-            body=body,
-            fields=job_fields(job),
-        )
-    )
+    await _email_admins(job, ctx, f"Rekap produk {p['period']}", body)
 
 
 async def send_alert_email(job: Job, ctx: JobContext) -> None:
@@ -126,16 +108,28 @@ async def send_alert_email(job: Job, ctx: JobContext) -> None:
         + f"  systemctl status {unit}\n"
         + "  systemctl list-timers 'toko-*'\n"
     )
-    await ctx.mailer.send(
-        Email(
-            job_id=job.id,
-            mail_from=ctx.mail_from,
-            to=ctx.admin_emails,
-            subject=alert_subject(unit),
-            body=body,
-            fields=job_fields(job),
-        )
+    await _email_admins(job, ctx, alert_subject(unit), body)
+
+
+async def _email_admins(job: Job, ctx: JobContext, subject: str, body: str) -> None:
+    """Send the job's email to the admins, or to those a server had deferred."""
+    # Kept in the payload once some admins have it: the To: line stays as it
+    # was when the email was first sent, whatever the setting says since.
+    to = tuple(job.payload.get("to") or ctx.admin_emails)
+    email = Email(
+        job_id=job.id,
+        mail_from=ctx.mail_from,
+        to=to,
+        subject=subject,
+        body=body,
+        fields=job_fields(job),
+        resend_to=tuple(job.payload.get("resend_to") or ()),
     )
+    try:
+        await ctx.mailer.send(email)
+    except RecipientsDeferred as exc:
+        left = {**job.payload, "to": list(to), "resend_to": list(exc.deferred)}
+        raise PartlyDone(str(exc), left) from exc
 
 
 HANDLERS: dict[str, Handler] = {

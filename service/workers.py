@@ -26,10 +26,10 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from service.logs import Throttle
-from service.models import Job, NewJob, leased_job
+from service.models import Job, NewJob, PartlyDone, leased_job
 from service.store.base import Store, StoreError
 from service.tasks import Handler, JobContext, job_fields
 
@@ -374,7 +374,8 @@ class WorkerPool:
         except Exception as exc:
             elapsed = time.monotonic() - started  # the attempt, not the store write after it
             fields = {**job_fields(job), "WORKER": worker}
-            outcome = await self._record_failure(job, _describe(exc), fields)
+            left = exc.payload if isinstance(exc, PartlyDone) else None
+            outcome = await self._record_failure(job, _describe(exc), fields, left)
             if self._observer is not None and outcome is not None:
                 self._observer.job_finished(job.kind, outcome, elapsed)
             return
@@ -413,20 +414,24 @@ class WorkerPool:
             self._held.difference_update(ids)
 
     async def _record_failure(
-        self, job: Job, error: str, fields: dict[str, object]
+        self, job: Job, error: str, fields: dict[str, object], left: dict[str, Any] | None
     ) -> JobOutcome | None:
-        """Fail or reschedule the job; the outcome, or None if the store could not say."""
+        """Fail or reschedule the job; the outcome, or None if the store could not say.
+
+        ``left``: the payload of what the attempt left undone (PartlyDone); a
+        failed job keeps it too, for an admin's retry.
+        """
         fields = {**fields, "ERROR": error}
         try:
             if job.attempts >= job.max_attempts:
-                await self._store.fail(job.id, error)
+                await self._store.fail(job.id, error, left)
                 self.failed += 1
                 log.error("job failed permanently", extra=fields)
                 return "failed"
             delay = backoff_delay(
                 job.attempts, self._config.backoff_base, self._config.max_backoff, self._rng
             )
-            await self._store.retry(job.id, error, self._clock() + delay)
+            await self._store.retry(job.id, error, self._clock() + delay, left)
         except StoreError as exc:
             log.error("could not record job failure: %s", exc, extra=fields)
             return None

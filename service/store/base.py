@@ -7,7 +7,7 @@ methods. Every method is a coroutine and never blocks the event loop.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from service.models import Job, NewJob, Product, QueueCounts
 
@@ -100,11 +100,15 @@ class Store(Protocol):
     async def complete(self, job_ids: Sequence[int]) -> None:
         """Mark jobs done (acks are batched: one write for many jobs)."""
 
-    async def retry(self, job_id: int, error: str, run_at: float) -> None:
-        """Put a failed attempt back as pending, due at ``run_at``."""
+    async def retry(
+        self, job_id: int, error: str, run_at: float, payload: dict[str, Any] | None = None
+    ) -> None:
+        """Put a failed attempt back as pending, due at ``run_at``; with a new
+        ``payload`` when the attempt did part of the job."""
 
-    async def fail(self, job_id: int, error: str) -> None:
-        """Keep a job that used its last attempt as ``failed`` (the dead letter)."""
+    async def fail(self, job_id: int, error: str, payload: dict[str, Any] | None = None) -> None:
+        """Keep a job that used its last attempt as ``failed`` (the dead letter);
+        with a new ``payload`` when the attempt did part of the job."""
 
     async def release(self, job_ids: Sequence[int]) -> None:
         """Return claimed-but-unstarted jobs to pending without counting an attempt."""

@@ -638,19 +638,27 @@ class PostgresStore:
                 lane=self._acks,
             )
 
-    async def retry(self, job_id: int, error: str, run_at: float) -> None:
-        await self._set_state(job_id, "pending", error, run_at)
+    async def retry(
+        self, job_id: int, error: str, run_at: float, payload: dict[str, Any] | None = None
+    ) -> None:
+        await self._set_state(job_id, "pending", error, run_at, payload)
 
-    async def fail(self, job_id: int, error: str) -> None:
-        await self._set_state(job_id, "failed", error, None)
+    async def fail(self, job_id: int, error: str, payload: dict[str, Any] | None = None) -> None:
+        await self._set_state(job_id, "failed", error, None, payload)
 
     async def _set_state(
-        self, job_id: int, state: str, error: str | None, run_at: float | None
+        self,
+        job_id: int,
+        state: str,
+        error: str | None,
+        run_at: float | None,
+        payload: dict[str, Any] | None,
     ) -> None:
         await self._execute(
             """
             UPDATE jobs SET state = $2, last_error = coalesce($3, last_error),
-                   run_at = coalesce($4, run_at), lease_until = NULL, updated_at = $5
+                   run_at = coalesce($4, run_at), payload = coalesce($6::jsonb, payload),
+                   lease_until = NULL, updated_at = $5
              WHERE id = $1
             """,
             job_id,
@@ -658,6 +666,7 @@ class PostgresStore:
             error,
             run_at,
             self._clock(),
+            None if payload is None else json.dumps(payload),
             retry=True,
             write=True,
         )

@@ -272,12 +272,14 @@ class SqliteStore:
         if job_ids:
             await self._write(_complete, (list(job_ids), self._clock()))
 
-    async def retry(self, job_id: int, error: str, run_at: float) -> None:
-        arg: StateArg = (job_id, "pending", error, run_at, self._clock())
+    async def retry(
+        self, job_id: int, error: str, run_at: float, payload: dict[str, Any] | None = None
+    ) -> None:
+        arg: StateArg = (job_id, "pending", error, run_at, _json_or_none(payload), self._clock())
         await self._write(_set_state, arg)
 
-    async def fail(self, job_id: int, error: str) -> None:
-        arg: StateArg = (job_id, "failed", error, None, self._clock())
+    async def fail(self, job_id: int, error: str, payload: dict[str, Any] | None = None) -> None:
+        arg: StateArg = (job_id, "failed", error, None, _json_or_none(payload), self._clock())
         await self._write(_set_state, arg)
 
     async def release(self, job_ids: Sequence[int]) -> None:
@@ -574,17 +576,26 @@ def _complete(conn: sqlite3.Connection, items: list[tuple[list[int], float]]) ->
     return [None] * len(items)
 
 
-StateArg = tuple[int, str, str | None, float | None, float]
+# job id, state, error, run_at, payload (JSON text; None keeps it), now
+StateArg = tuple[int, str, str | None, float | None, str | None, float]
+
+
+def _json_or_none(payload: dict[str, Any] | None) -> str | None:
+    return None if payload is None else json.dumps(payload)
 
 
 def _set_state(conn: sqlite3.Connection, items: list[StateArg]) -> list[None]:
     conn.executemany(
         """
         UPDATE jobs SET state = ?, last_error = coalesce(?, last_error),
-               run_at = coalesce(?, run_at), lease_until = NULL, updated_at = ?
+               run_at = coalesce(?, run_at), payload = coalesce(?, payload),
+               lease_until = NULL, updated_at = ?
          WHERE id = ?
         """,
-        [(state, error, run_at, now, job_id) for job_id, state, error, run_at, now in items],
+        [
+            (state, error, run_at, payload, now, job_id)
+            for job_id, state, error, run_at, payload, now in items
+        ],
     )
     return [None] * len(items)
 

@@ -9,6 +9,7 @@ Usage::
         smtp.fail_for(2.0)                     # every message for 2 s gets 451
         smtp.refuse_subject("BAD")             # subject containing BAD gets 550 (5xx)
         smtp.refuse_recipient("x@toko.test")   # RCPT TO:<x@toko.test> gets 550
+        smtp.defer_recipient("x@toko.test", 2) # its next 2 RCPT TOs get 450 (4xx)
         smtp.reset()                           # back to: deliver at once
         await smtp.async_wait_delivered(10, timeout=30)   # 10 distinct Message-IDs
         smtp.delivered()                       # list[SmtpMessage], outcome "delivered"
@@ -22,6 +23,7 @@ Each message records whether it came over TLS, as which login, and the name the
 client gave in EHLO; every AUTH attempt is recorded in :attr:`SmtpServer.logins`,
 so a test can tell that a password never reached the server.
 
+Every ``RCPT TO`` is recorded in :attr:`SmtpServer.rcpts` with its reply code.
 Every message that reaches the end of DATA is recorded in :attr:`SmtpServer.log`
 (a :class:`~tests.support.recorder.Recorder`) with its outcome, *including*
 rejected ones, so a test can compare the Message-ID of a rejected attempt with
@@ -61,6 +63,7 @@ Outcome = Literal["arrived", "delivered", "tempfailed", "refused"]
 TEMPFAIL_REPLY = "451 4.3.0 Temporary failure injected by the test"
 REFUSE_REPLY = "550 5.7.1 Message refused by the test"
 REFUSE_RCPT_REPLY = "550 5.1.1 Recipient refused by the test"
+DEFER_RCPT_REPLY = "450 4.2.1 Mailbox busy, try again later (the test)"
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class _Behaviour:
     fail_until: float = 0.0
     refuse: list[str] = field(default_factory=list)
     refuse_rcpt: list[str] = field(default_factory=list)
+    defer_rcpt: Counter[str] = field(default_factory=Counter)  # address -> RCPTs left to defer
 
 
 class _Handler:
@@ -107,8 +111,9 @@ class _Handler:
         address: str,
         rcpt_options: list[str],
     ) -> str:
-        if self._server._refuses_recipient(address):
-            return REFUSE_RCPT_REPLY
+        reply = self._server._recipient_reply(address)
+        if reply is not None:
+            return reply
         envelope.rcpt_tos.append(address)
         return "250 OK"
 
@@ -184,6 +189,8 @@ class SmtpServer:
         self.log: Recorder[SmtpMessage] = Recorder("smtp")
         self.arrivals: Recorder[SmtpMessage] = Recorder("smtp arrivals")
         self.logins: Recorder[LoginAttempt] = Recorder("smtp logins")
+        # Every RCPT TO as (address, the reply's code), refused ones included.
+        self.rcpts: Recorder[tuple[str, int]] = Recorder("smtp rcpts")
         self._controller: _PreboundController | None = None
         self.port = 0
         self._tls = tls
@@ -271,6 +278,11 @@ class SmtpServer:
         with self._lock:
             self._behaviour.refuse_rcpt.append(address)
 
+    def defer_recipient(self, address: str, times: int) -> None:
+        """Answer 450 (temporary) to the next ``times`` ``RCPT TO:<address>``."""
+        with self._lock:
+            self._behaviour.defer_rcpt[address] = times
+
     # -- queries -----------------------------------------------------------
 
     def messages(self, outcome: Outcome | None = None) -> list[SmtpMessage]:
@@ -312,9 +324,18 @@ class SmtpServer:
         self.logins.append(LoginAttempt(attempt[0], accepted, tls=_encrypted(server)))
         return AuthResult(success=accepted, auth_data=auth_data if accepted else None)
 
-    def _refuses_recipient(self, address: str) -> bool:
+    def _recipient_reply(self, address: str) -> str | None:
+        """The refusal for ``RCPT TO:<address>``, or None to accept it."""
         with self._lock:
-            return address in self._behaviour.refuse_rcpt
+            b = self._behaviour
+            reply = None
+            if address in b.refuse_rcpt:
+                reply = REFUSE_RCPT_REPLY
+            elif b.defer_rcpt[address] > 0:
+                b.defer_rcpt[address] -= 1
+                reply = DEFER_RCPT_REPLY
+        self.rcpts.append((address, int((reply or "250")[:3])))
+        return reply
 
     async def _handle(
         self, envelope: Envelope, *, tls: bool, login: str | None, helo: str | None

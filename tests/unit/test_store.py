@@ -392,6 +392,26 @@ async def test_an_admin_sends_jobs_waiting_to_retry_now(store: Store, clock: Fak
     assert (await store.get_job(failed)).state == "failed"  # type: ignore[union-attr]
 
 
+async def test_an_attempt_that_did_part_of_the_job_leaves_the_rest(
+    store: Store, clock: FakeClock
+) -> None:
+    await store.enqueue(NewJob("k", {"to": ["bos", "kasir"]}, 3))
+    (job,) = await store.claim(1, 60)
+    await store.retry(
+        job.id, "deferred", clock.now, {"to": ["bos", "kasir"], "resend_to": ["kasir"]}
+    )
+    (again,) = await store.claim(1, 60)
+    assert again.payload == {"to": ["bos", "kasir"], "resend_to": ["kasir"]}
+    # A plain failure keeps what is left; a failed job keeps it for an admin's retry.
+    await store.retry(again.id, "SMTP 451", clock.now)
+    (third,) = await store.claim(1, 60)
+    assert third.payload == again.payload
+    await store.fail(third.id, "deferred again", {"resend_to": []})
+    failed = await store.get_job(job.id)
+    assert failed is not None and failed.state == "failed"
+    assert failed.payload == {"resend_to": []}
+
+
 async def test_fail_keeps_a_dead_letter(store: Store) -> None:
     await store.enqueue(NewJob("k", {}, 1))
     (job,) = await store.claim(1, 60)
