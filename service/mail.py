@@ -2,6 +2,8 @@
 
 Every message carries a Message-ID derived from its job id, identical on every
 retry, so a duplicate after a crash (delivery is at-least-once) is detectable.
+When the server takes some recipients and defers others (4xx), the send raises
+``RecipientsDeferred`` naming those left, so the retry goes to them alone.
 """
 
 from __future__ import annotations
