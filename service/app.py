@@ -71,7 +71,8 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    context = JobContext(make_mailer(settings), settings.mail_from, settings.admin_emails)
+    mailer = make_mailer(settings)
+    context = JobContext(mailer, settings.mail_from, settings.admin_emails)
     config = PoolConfig(
         workers=settings.workers,
         job_timeout=settings.job_timeout,
@@ -90,6 +91,7 @@ async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
         notifier.extend_timeout(EXTEND_STOP_SECONDS, status)
 
     left = await pool.stop(settings.drain_timeout, report)
+    await mailer.close()  # after the last job: a QUIT to each idle SMTP connection
     if left:
         log.warning(
             "drain timeout reached; unfinished jobs run again at the next start",

@@ -4,6 +4,7 @@ Every message carries a Message-ID derived from its job id, identical on every
 retry, so a duplicate after a crash (delivery is at-least-once) is detectable.
 When the server takes some recipients and defers others (4xx), the send raises
 ``RecipientsDeferred`` naming those left, so the retry goes to them alone.
+An SMTP connection is kept for the next email for a moment (mail_connections).
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ from typing import Protocol
 
 import aiosmtplib
 
+from service.mail_connections import Connection, ConnectionCache
 from service.settings import SmtpTarget
 
 log = logging.getLogger("toko.mail")
+
+# A reply that the server is closing the connection (RFC 5321, 3.8).
+SERVER_CLOSING = 421
 
 
 class MailError(Exception):
@@ -98,6 +103,9 @@ class Email:
 class Mailer(Protocol):
     async def send(self, email: Email) -> None: ...
 
+    async def close(self) -> None:
+        """Let go of what it holds (open connections); no email is sent after."""
+
 
 class LogMailer:
     """The zero-configuration mailer: writes each email to the log instead.
@@ -108,6 +116,9 @@ class LogMailer:
 
     async def send(self, email: Email) -> None:
         log.info("email logged", extra={**email.log_fields(), "BODY": email.body})
+
+    async def close(self) -> None:
+        pass
 
 
 def tls_context(verify: bool) -> ssl.SSLContext:
@@ -124,11 +135,14 @@ def tls_context(verify: bool) -> ssl.SSLContext:
 
 
 class SmtpMailer:
-    def __init__(self, target: SmtpTarget, timeout: float) -> None:
+    def __init__(
+        self, target: SmtpTarget, timeout: float, connections: ConnectionCache | None = None
+    ) -> None:
         self._target = target
         self._timeout = timeout
         self._tls = tls_context(target.verify_certificate)
         self._local_hostname: str | None = None
+        self._connections = connections or ConnectionCache()
 
     async def _ehlo_name(self) -> str:
         # The name given in EHLO. aiosmtplib would look the host's FQDN up
@@ -141,28 +155,9 @@ class SmtpMailer:
         return self._local_hostname
 
     async def send(self, email: Email) -> None:
-        target = self._target
         msg = email.to_mime()
-        client = aiosmtplib.SMTP(
-            local_hostname=await self._ehlo_name(),
-            hostname=target.host,
-            port=target.port,
-            username=target.username,
-            password=target.password,
-            use_tls=target.use_tls,
-            start_tls=target.start_tls,
-            tls_context=self._tls,
-            timeout=self._timeout,
-        )
         try:
-            try:
-                await client.connect()
-                refused, _ = await client.send_message(msg, recipients=list(email.recipients))
-            except BaseException:
-                # Abort at once: aiosmtplib's own clean-up would wait for a
-                # QUIT reply, which stalls a cancelled send (a drain) for long.
-                client.close()
-                raise
+            connection, refused = await self._transact(msg, list(email.recipients))
         except aiosmtplib.SMTPResponseException as exc:
             raise MailError(
                 f"SMTP {exc.code}: {exc.message}", permanent=500 <= exc.code < 600
@@ -180,12 +175,7 @@ class SmtpMailer:
             raise MailError(message) from exc
         except (aiosmtplib.SMTPException, OSError) as exc:
             raise MailError(f"SMTP delivery failed: {exc}") from exc
-        try:
-            await client.quit()
-        except (aiosmtplib.SMTPException, OSError):
-            pass  # the message is already accepted; a failed goodbye changes nothing
-        finally:
-            client.close()
+        self._connections.keep(connection)
         if refused:
             log.warning(
                 "email sent, but some recipients were refused",
@@ -198,6 +188,63 @@ class SmtpMailer:
                 raise RecipientsDeferred(f"recipients deferred: {_describe(refused)}", deferred)
             return
         log.info("email sent", extra=email.log_fields())
+
+    async def close(self) -> None:
+        await self._connections.close()
+
+    async def _transact(
+        self, msg: EmailMessage, recipients: list[str]
+    ) -> tuple[Connection, dict[str, aiosmtplib.SMTPResponse]]:
+        """One mail transaction, on an idle connection if there is one; the
+        connection used (for the next email) and the recipients refused."""
+        kept = self._connections.take()
+        if kept is not None:
+            try:
+                return kept, await _send_on(kept.client, msg, recipients)
+            except aiosmtplib.SMTPResponseException as exc:
+                if exc.code != SERVER_CLOSING:
+                    raise
+            except ConnectionError:
+                pass
+            # The server closed it as it sat idle (its timeout, its limit of
+            # emails per connection): no fault of this email, so at once once
+            # more, on a new connection.
+        connection = Connection(await self._connect(), self._connections.clock())
+        return connection, await _send_on(connection.client, msg, recipients)
+
+    async def _connect(self) -> aiosmtplib.SMTP:
+        target = self._target
+        client = aiosmtplib.SMTP(
+            local_hostname=await self._ehlo_name(),
+            hostname=target.host,
+            port=target.port,
+            username=target.username,
+            password=target.password,
+            use_tls=target.use_tls,
+            start_tls=target.start_tls,
+            tls_context=self._tls,
+            timeout=self._timeout,
+        )
+        try:
+            await client.connect()
+        except BaseException:
+            client.close()  # see _send_on
+            raise
+        return client
+
+
+async def _send_on(
+    client: aiosmtplib.SMTP, msg: EmailMessage, recipients: list[str]
+) -> dict[str, aiosmtplib.SMTPResponse]:
+    try:
+        refused, _ = await client.send_message(msg, recipients=recipients)
+    except BaseException:
+        # Abort at once: aiosmtplib's own clean-up would wait for a QUIT
+        # reply, which stalls a cancelled send (a drain) for long. And a
+        # connection in an unknown state is never kept.
+        client.close()
+        raise
+    return refused
 
 
 def _describe(replies: Mapping[str, aiosmtplib.SMTPResponse]) -> str:

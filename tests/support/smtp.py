@@ -10,6 +10,8 @@ Usage::
         smtp.refuse_subject("BAD")             # subject containing BAD gets 550 (5xx)
         smtp.refuse_recipient("x@toko.test")   # RCPT TO:<x@toko.test> gets 550
         smtp.defer_recipient("x@toko.test", 2) # its next 2 RCPT TOs get 450 (4xx)
+        smtp.limit_per_connection(2)           # MAIL FROM after 2 messages: 421, closed
+        smtp.drop_connections()                # close every open connection now
         smtp.reset()                           # back to: deliver at once
         await smtp.async_wait_delivered(10, timeout=30)   # 10 distinct Message-IDs
         smtp.delivered()                       # list[SmtpMessage], outcome "delivered"
@@ -24,6 +26,10 @@ client gave in EHLO; every AUTH attempt is recorded in :attr:`SmtpServer.logins`
 so a test can tell that a password never reached the server.
 
 Every ``RCPT TO`` is recorded in :attr:`SmtpServer.rcpts` with its reply code.
+Connections are numbered from 1 as they greet (:attr:`SmtpServer.connections`);
+each message records the number of the one it came over, and every QUIT is
+recorded in :attr:`SmtpServer.quits`, so a test can tell how a client reuses
+its connections and whether it says goodbye.
 Every message that reaches the end of DATA is recorded in :attr:`SmtpServer.log`
 (a :class:`~tests.support.recorder.Recorder`) with its outcome, *including*
 rejected ones, so a test can compare the Message-ID of a rejected attempt with
@@ -46,6 +52,7 @@ import socket
 import ssl
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -64,6 +71,8 @@ TEMPFAIL_REPLY = "451 4.3.0 Temporary failure injected by the test"
 REFUSE_REPLY = "550 5.7.1 Message refused by the test"
 REFUSE_RCPT_REPLY = "550 5.1.1 Recipient refused by the test"
 DEFER_RCPT_REPLY = "450 4.2.1 Mailbox busy, try again later (the test)"
+# As Exim answers past smtp_accept_max_per_connection.
+TOO_MANY_REPLY = "421 4.7.0 Too many messages on this connection (the test)"
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,7 @@ class SmtpMessage:
     tls: bool = False  # the session was encrypted (STARTTLS or implicit TLS)
     login: str | None = None  # the user it authenticated as
     helo: str | None = None  # the name the client gave in EHLO (or HELO)
+    connection: int = 0  # the number of the connection it came over
 
     @property
     def headers(self) -> email.message.EmailMessage:
@@ -97,11 +107,16 @@ class _Behaviour:
     refuse: list[str] = field(default_factory=list)
     refuse_rcpt: list[str] = field(default_factory=list)
     defer_rcpt: Counter[str] = field(default_factory=Counter)  # address -> RCPTs left to defer
+    per_connection: int | None = None  # messages a connection may carry
 
 
 class _Handler:
     def __init__(self, server: SmtpServer) -> None:
         self._server = server
+
+    @property
+    def server(self) -> SmtpServer:
+        return self._server
 
     async def handle_RCPT(
         self,
@@ -118,11 +133,19 @@ class _Handler:
         return "250 OK"
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        assert isinstance(server, _Connection)
         auth = session.auth_data
         login = auth.login.decode() if isinstance(auth, LoginPassword) else None
-        return await self._server._handle(
-            envelope, tls=_encrypted(server), login=login, helo=session.host_name
+        reply = await self._server._handle(
+            envelope,
+            tls=_encrypted(server),
+            login=login,
+            helo=session.host_name,
+            connection=server.number,
         )
+        if reply.startswith("250"):
+            server.delivered += 1
+        return reply
 
 
 @dataclass(frozen=True)
@@ -159,6 +182,50 @@ class _OneWriteReplies(SMTP):
         await super().push(held + line)
 
 
+class _Connection(_OneWriteReplies):
+    """One client's connection: numbered, its messages counted, its QUIT recorded."""
+
+    def __init__(self, handler: _Handler, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self.owner = handler.server
+        self.number = 0
+        self.delivered = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.owner._open.add(self)
+
+    # Numbered when the client greets, not when it connects: aiosmtpd's
+    # controller connects once itself, to tell that the server is up.
+    async def smtp_EHLO(self, hostname: str) -> None:
+        self._greeted()
+        await super().smtp_EHLO(hostname)
+
+    async def smtp_HELO(self, hostname: str) -> None:
+        self._greeted()
+        await super().smtp_HELO(hostname)
+
+    def _greeted(self) -> None:
+        if self.number == 0:  # a client greets again after STARTTLS
+            self.number = self.owner._numbered()
+
+    def connection_lost(self, error: Exception | None) -> None:
+        self.owner._lost(self)
+        super().connection_lost(error)
+
+    async def smtp_MAIL(self, arg: str) -> None:
+        if self.owner._too_many(self.delivered):
+            await self.push(TOO_MANY_REPLY)
+            assert self.transport is not None
+            self.transport.close()
+            return
+        await super().smtp_MAIL(arg)
+
+    async def smtp_QUIT(self, arg: str) -> None:
+        self.owner.quits.append(self.number)
+        await super().smtp_QUIT(arg)
+
+
 class _PreboundController(Controller):
     """aiosmtpd's Controller on a socket bound beforehand, so port 0 can be used."""
 
@@ -167,7 +234,7 @@ class _PreboundController(Controller):
         super().__init__(handler, hostname="127.0.0.1", port=sock.getsockname()[1], **kwargs)
 
     def factory(self) -> SMTP:
-        return _OneWriteReplies(self.handler, **self.SMTP_kwargs)
+        return _Connection(self.handler, **self.SMTP_kwargs)
 
     def _create_server(self) -> Any:
         return self.loop.create_server(self._factory_invoker, sock=self._sock, ssl=self.ssl_context)
@@ -191,6 +258,12 @@ class SmtpServer:
         self.logins: Recorder[LoginAttempt] = Recorder("smtp logins")
         # Every RCPT TO as (address, the reply's code), refused ones included.
         self.rcpts: Recorder[tuple[str, int]] = Recorder("smtp rcpts")
+        # The number of each connection as it greets, and of each that sent QUIT.
+        self.connections: Recorder[int] = Recorder("smtp connections")
+        self.quits: Recorder[int] = Recorder("smtp quits")
+        # aiosmtpd's thread only. Weak: a connection aiosmtpd let go of (a
+        # failed STARTTLS) is collected with its transports, as without it.
+        self._open: weakref.WeakSet[_Connection] = weakref.WeakSet()
         self._controller: _PreboundController | None = None
         self.port = 0
         self._tls = tls
@@ -225,6 +298,9 @@ class SmtpServer:
 
     def stop(self) -> None:
         if self._controller is not None:
+            # A client may keep a connection open between emails (toko does):
+            # closed here, its socket is not left for the garbage collector.
+            self.drop_connections()
             self._controller.stop()
             self._controller = None
 
@@ -283,6 +359,27 @@ class SmtpServer:
         with self._lock:
             self._behaviour.defer_rcpt[address] = times
 
+    def limit_per_connection(self, count: int) -> None:
+        """Answer MAIL FROM with 421 and close, on a connection that carried ``count``."""
+        with self._lock:
+            self._behaviour.per_connection = count
+
+    def drop_connections(self) -> None:
+        """Close every open connection now, as a server's idle timeout does."""
+        assert self._controller is not None, "not started"
+        dropped = threading.Event()
+
+        def drop() -> None:
+            for connection in list(self._open):
+                if connection.transport is not None:
+                    # Not close(): a TLS connection would wait for the
+                    # client's close_notify, and the socket outlive stop().
+                    connection.transport.abort()
+            dropped.set()
+
+        self._controller.loop.call_soon_threadsafe(drop)
+        assert dropped.wait(5), "the server's loop did not run"
+
     # -- queries -----------------------------------------------------------
 
     def messages(self, outcome: Outcome | None = None) -> list[SmtpMessage]:
@@ -324,6 +421,19 @@ class SmtpServer:
         self.logins.append(LoginAttempt(attempt[0], accepted, tls=_encrypted(server)))
         return AuthResult(success=accepted, auth_data=auth_data if accepted else None)
 
+    def _numbered(self) -> int:
+        number = len(self.connections) + 1
+        self.connections.append(number)
+        return number
+
+    def _lost(self, connection: _Connection) -> None:
+        self._open.discard(connection)
+
+    def _too_many(self, delivered: int) -> bool:
+        with self._lock:
+            limit = self._behaviour.per_connection
+        return limit is not None and delivered >= limit
+
     def _recipient_reply(self, address: str) -> str | None:
         """The refusal for ``RCPT TO:<address>``, or None to accept it."""
         with self._lock:
@@ -338,7 +448,13 @@ class SmtpServer:
         return reply
 
     async def _handle(
-        self, envelope: Envelope, *, tls: bool, login: str | None, helo: str | None
+        self,
+        envelope: Envelope,
+        *,
+        tls: bool,
+        login: str | None,
+        helo: str | None,
+        connection: int,
     ) -> str:
         raw = envelope.original_content or b""
         parsed = email.message_from_bytes(raw, policy=email.policy.default)
@@ -355,6 +471,7 @@ class SmtpServer:
             tls=tls,
             login=login,
             helo=helo,
+            connection=connection,
         )
         self.arrivals.append(arrived)
         with self._lock:

@@ -1,14 +1,20 @@
-"""Email: the MIME message the SMTP mailer sends, and what a refusal means."""
+"""Email: the MIME message the SMTP mailer sends, what a refusal means, and
+how it keeps its connections to the server."""
 
 from __future__ import annotations
 
+import asyncio
 import email.policy
+from collections.abc import AsyncIterator, Callable
 
 import pytest
+import trustme
 
 from service.mail import Email, MailError, RecipientsDeferred, SmtpMailer
+from service.mail_connections import REUSE_SECONDS, ConnectionCache
 from service.settings import SmtpTarget
-from tests.support.smtp import SmtpServer
+from tests.support.smtp import SmtpServer, server_tls
+from tests.unit.conftest import FakeClock
 
 OWNERS = ("bos@toko.test", "kasir@toko.test")
 
@@ -38,8 +44,29 @@ def test_every_recipient_is_in_the_to_header() -> None:
     assert mail.log_fields()["TO"] == "bos@toko.test, kasir@toko.test"
 
 
-def mailer_for(smtp: SmtpServer) -> SmtpMailer:
-    return SmtpMailer(SmtpTarget("127.0.0.1", smtp.port, None, None, use_tls=False), timeout=10)
+MailerFactory = Callable[..., SmtpMailer]
+
+
+@pytest.fixture
+async def mailers(smtp: SmtpServer) -> AsyncIterator[MailerFactory]:
+    """Mailers to ``smtp`` (or the server given), each closed after the test."""
+    made: list[SmtpMailer] = []
+
+    def make(
+        server: SmtpServer | None = None, connections: ConnectionCache | None = None
+    ) -> SmtpMailer:
+        target = SmtpTarget("127.0.0.1", (server or smtp).port, None, None, use_tls=False)
+        made.append(SmtpMailer(target, timeout=10, connections=connections))
+        return made[-1]
+
+    yield make
+    for mailer in made:
+        await mailer.close()
+
+
+@pytest.fixture
+def mailer(mailers: MailerFactory) -> SmtpMailer:
+    return mailers()
 
 
 def owners_email(resend_to: tuple[str, ...] = ()) -> Email:
@@ -47,23 +74,25 @@ def owners_email(resend_to: tuple[str, ...] = ()) -> Email:
 
 
 async def test_an_admin_deferred_while_another_accepts_is_the_only_one_left(
-    smtp: SmtpServer,
+    smtp: SmtpServer, mailer: SmtpMailer
 ) -> None:
     smtp.defer_recipient("kasir@toko.test", 1)
     with pytest.raises(RecipientsDeferred) as raised:
-        await mailer_for(smtp).send(owners_email())
+        await mailer.send(owners_email())
     assert raised.value.deferred == ("kasir@toko.test",)
     assert not raised.value.permanent
     (mail,) = smtp.delivered()
     assert mail.to == ("bos@toko.test",)
 
 
-async def test_an_admin_refused_for_good_is_not_left_to_retry(smtp: SmtpServer) -> None:
+async def test_an_admin_refused_for_good_is_not_left_to_retry(
+    smtp: SmtpServer, mailer: SmtpMailer
+) -> None:
     smtp.refuse_recipient("bos@toko.test")
     smtp.defer_recipient("kasir@toko.test", 1)
     # Nobody got it, but only kasir is worth another attempt.
     with pytest.raises(RecipientsDeferred) as raised:
-        await mailer_for(smtp).send(owners_email())
+        await mailer.send(owners_email())
     assert raised.value.deferred == ("kasir@toko.test",)
     assert smtp.delivered() == []
 
@@ -74,21 +103,130 @@ async def test_an_admin_refused_for_good_is_not_left_to_retry(smtp: SmtpServer) 
     ids=["all deferred", "all refused for good"],
 )
 async def test_every_admin_refused_the_same_way_leaves_the_recipients_as_they_are(
-    smtp: SmtpServer, refuse: tuple[str, ...], defer: tuple[str, ...], permanent: bool
+    smtp: SmtpServer,
+    mailer: SmtpMailer,
+    refuse: tuple[str, ...],
+    defer: tuple[str, ...],
+    permanent: bool,
 ) -> None:
     for address in refuse:
         smtp.refuse_recipient(address)
     for address in defer:
         smtp.defer_recipient(address, 1)
     with pytest.raises(MailError) as raised:
-        await mailer_for(smtp).send(owners_email())
+        await mailer.send(owners_email())
     assert not isinstance(raised.value, RecipientsDeferred)
     assert raised.value.permanent is permanent
 
 
-async def test_a_resend_goes_to_those_left_with_the_same_message(smtp: SmtpServer) -> None:
-    await mailer_for(smtp).send(owners_email(resend_to=("kasir@toko.test",)))
+async def test_a_resend_goes_to_those_left_with_the_same_message(
+    smtp: SmtpServer, mailer: SmtpMailer
+) -> None:
+    await mailer.send(owners_email(resend_to=("kasir@toko.test",)))
     (mail,) = smtp.delivered()
     assert mail.to == ("kasir@toko.test",)
     assert str(mail.headers["To"]) == ", ".join(OWNERS)
     assert mail.message_id == "<job-9@toko.test>"
+
+
+# Connections kept between emails ------------------------------------------
+
+
+def product_email(job_id: int) -> Email:
+    return Email(job_id, "toko@toko.test", ("bos@toko.test",), f"Produk baru: #{job_id}#", "isi")
+
+
+def connections_used(smtp: SmtpServer) -> list[int]:
+    """The connection each message came over, refused ones included, in order."""
+    return [m.connection for m in smtp.messages()]
+
+
+async def test_emails_in_a_row_share_one_connection(smtp: SmtpServer, mailer: SmtpMailer) -> None:
+    for job_id in (1, 2, 3):
+        await mailer.send(product_email(job_id))
+    assert connections_used(smtp) == [1, 1, 1]
+    assert smtp.quits.snapshot() == []  # kept for the next one
+
+
+async def test_emails_sent_at_once_take_a_connection_each_and_keep_them(
+    smtp: SmtpServer, mailer: SmtpMailer
+) -> None:
+    await asyncio.gather(*(mailer.send(product_email(job_id)) for job_id in (1, 2)))
+    await asyncio.gather(*(mailer.send(product_email(job_id)) for job_id in (3, 4)))
+    assert len(smtp.connections) == 2
+    assert sorted(connections_used(smtp)) == [1, 1, 2, 2]
+
+
+async def test_emails_over_starttls_share_the_encrypted_connection(
+    mailers: MailerFactory,
+) -> None:
+    with SmtpServer(tls=server_tls(trustme.CA())) as server:
+        mailer = mailers(server)
+        for job_id in (1, 2):
+            await mailer.send(product_email(job_id))
+        await mailer.close()  # before the server stops
+        assert [(m.connection, m.tls) for m in server.delivered()] == [(1, True), (1, True)]
+
+
+async def test_a_connection_the_server_closed_while_idle_is_replaced_at_once(
+    smtp: SmtpServer, mailer: SmtpMailer
+) -> None:
+    await mailer.send(product_email(1))
+    smtp.drop_connections()
+    await mailer.send(product_email(2))  # no MailError: no attempt is spent on it
+    assert connections_used(smtp) == [1, 2]
+
+
+async def test_a_servers_limit_of_emails_per_connection_spends_no_attempt(
+    smtp: SmtpServer, mailer: SmtpMailer
+) -> None:
+    # The server answers MAIL FROM with 421 and closes: the email goes at
+    # once on a new connection, not at the job's next attempt.
+    smtp.limit_per_connection(2)
+    for job_id in range(1, 6):
+        await mailer.send(product_email(job_id))
+    assert connections_used(smtp) == [1, 1, 2, 2, 3]
+    assert len(smtp.delivered_ids()) == 5
+
+
+async def test_a_connection_is_let_go_after_a_failed_email(
+    smtp: SmtpServer, mailer: SmtpMailer
+) -> None:
+    smtp.refuse_subject("#1#")
+    with pytest.raises(MailError):
+        await mailer.send(product_email(1))
+    await mailer.send(product_email(2))
+    assert connections_used(smtp) == [1, 2]
+
+
+async def test_an_idle_connection_is_closed_with_a_quit(
+    smtp: SmtpServer, mailers: MailerFactory
+) -> None:
+    mailer = mailers(connections=ConnectionCache(idle_seconds=0.05))
+    await mailer.send(product_email(1))
+    quits = await smtp.quits.async_wait_for(lambda q: list(q) or None, 5, "a QUIT")
+    assert quits == [1]
+    await mailer.send(product_email(2))
+    assert connections_used(smtp) == [1, 2]
+
+
+async def test_no_email_goes_on_a_connection_older_than_the_reuse_limit(
+    smtp: SmtpServer, mailers: MailerFactory, clock: FakeClock
+) -> None:
+    mailer = mailers(connections=ConnectionCache(clock=clock))
+    await mailer.send(product_email(1))
+    clock.now += REUSE_SECONDS - 0.1
+    await mailer.send(product_email(2))
+    clock.now += 0.1
+    await mailer.send(product_email(3))
+    assert connections_used(smtp) == [1, 1, 2]
+    quits = await smtp.quits.async_wait_for(lambda q: list(q) or None, 5, "a QUIT")
+    assert quits == [1]
+
+
+async def test_close_says_goodbye_to_every_idle_connection(
+    smtp: SmtpServer, mailer: SmtpMailer
+) -> None:
+    await asyncio.gather(*(mailer.send(product_email(job_id)) for job_id in (1, 2)))
+    await mailer.close()
+    assert sorted(smtp.quits.snapshot()) == [1, 2]
