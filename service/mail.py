@@ -207,9 +207,9 @@ class SmtpMailer:
             except ConnectionError:
                 pass
             # The server closed it as it sat idle (its timeout, its limit of
-            # emails per connection): no fault of this email, so at once once
-            # more, on a new connection.
-        connection = Connection(await self._connect(), self._connections.clock())
+            # emails per connection): no fault of this email, which goes again
+            # at once, on a new connection.
+        connection = self._connections.opened(await self._connect())
         return connection, await _send_on(connection.client, msg, recipients)
 
     async def _connect(self) -> aiosmtplib.SMTP:

@@ -46,18 +46,20 @@ class ConnectionCache:
     ) -> None:
         self._idle_seconds = idle_seconds
         self._reuse_seconds = reuse_seconds
-        self.clock = clock
+        self._clock = clock
         self._idle: list[Connection] = []
         self._goodbyes: set[asyncio.Task[None]] = set()
         self._closed = False
 
+    def opened(self, client: aiosmtplib.SMTP) -> Connection:
+        """``client``, just connected, as a connection this cache can keep."""
+        return Connection(client, self._clock())
+
     def take(self) -> Connection | None:
         """An idle connection to send on, or None (open a new one)."""
         while self._idle:
-            connection = self._idle.pop()
-            if connection.expiry is not None:
-                connection.expiry.cancel()
-            if self.clock() - connection.opened >= self._reuse_seconds:
+            connection = self._pop_idle()
+            if self._clock() - connection.opened >= self._reuse_seconds:
                 self._say_goodbye(connection)
             # The server may have closed it meanwhile (its idle timeout).
             elif connection.client.is_connected:
@@ -79,12 +81,16 @@ class ConnectionCache:
         """Say goodbye to every idle connection; keep none from now on."""
         self._closed = True
         while self._idle:
-            connection = self._idle.pop()
-            if connection.expiry is not None:
-                connection.expiry.cancel()
-            self._say_goodbye(connection)
+            self._say_goodbye(self._pop_idle())
         if self._goodbyes:
             await asyncio.wait(self._goodbyes)
+
+    def _pop_idle(self) -> Connection:
+        """The most recently used idle connection, its idle timer stopped."""
+        connection = self._idle.pop()
+        if connection.expiry is not None:
+            connection.expiry.cancel()
+        return connection
 
     def _expire(self, connection: Connection) -> None:
         # take() and close() cancel this timer: the connection is still idle.
