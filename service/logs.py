@@ -11,11 +11,14 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from systemd.journal import JournalHandler
 
 from service.models import iso_utc
+
+if TYPE_CHECKING:
+    import asyncio
 
 # Attributes every LogRecord has; anything else on a record came from extra=.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
@@ -48,6 +51,17 @@ class Throttle:
         self._quiet_until = float("-inf")
         self._held = 0
 
+    def allow(self) -> int | None:
+        """None: hold this one back (it is counted). Otherwise log it, and this
+        many were held back before it."""
+        now = self._clock()
+        if now < self._quiet_until:
+            self._held += 1
+            return None
+        held, self._held = self._held, 0
+        self._quiet_until = now + self.interval
+        return held
+
     def log(
         self,
         logger: logging.Logger,
@@ -57,17 +71,55 @@ class Throttle:
         exc_info: BaseException | None = None,
         **fields: Any,
     ) -> None:
-        now = self._clock()
-        if now < self._quiet_until:
-            self._held += 1
+        held = self.allow()
+        if held is None:
             return
-        if self._held:
-            msg += " (%d more like this in the %g s before were not logged)"
-            args = (*args, self._held, self.interval)
-            fields["SUPPRESSED"] = self._held
+        if held:
+            msg += _HELD_BACK
+            args = (*args, held, self.interval)
+            fields["SUPPRESSED"] = held
         logger.log(level, msg, *args, exc_info=exc_info, extra=fields)
-        self._held = 0
-        self._quiet_until = now + self.interval
+
+
+_HELD_BACK = " (%d more like this in the %g s before were not logged)"
+
+
+class LoopErrorThrottle:
+    """The event loop's exception handler: each distinct error once per interval.
+
+    asyncio hands this handler the errors it has nobody to raise to, and some
+    repeat without end. At the open-files limit, Python's accept loop (3.11
+    to 3.13) reports every failed accept() and schedules a retry for each
+    slot of the listen backlog; the retries multiply, and once the socket is
+    closed at stop they fail again: thousands of lines a second, each with a
+    traceback, for as long as files are short. The first of each error is
+    logged as asyncio logs it; repeats within the interval are counted into
+    the next line.
+    """
+
+    # Distinct errors followed at once; a flood of ever-new texts starts afresh.
+    MAX_KINDS = 100
+
+    def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self._clock = clock
+        self._throttles: dict[tuple[type[BaseException] | None, str], Throttle] = {}
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        message = str(context.get("message", "unhandled error in the event loop"))
+        kind = (None, message) if exc is None else (type(exc), str(exc))
+        throttle = self._throttles.get(kind)
+        if throttle is None:
+            if len(self._throttles) >= self.MAX_KINDS:
+                self._throttles.clear()
+            throttle = self._throttles[kind] = Throttle(self.interval, self._clock)
+        held = throttle.allow()
+        if held is None:
+            return
+        if held:
+            context = {**context, "message": message + _HELD_BACK % (held, self.interval)}
+        loop.default_exception_handler(context)
 
 
 class JsonLineFormatter(logging.Formatter):

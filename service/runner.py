@@ -25,7 +25,7 @@ from service.listener import (
     start_serving,
     stop_accepting,
 )
-from service.logs import Throttle
+from service.logs import LoopErrorThrottle, Throttle
 from service.settings import Settings
 from service.store import StoreError, write_error
 from service.systemd import Notifier
@@ -58,6 +58,7 @@ async def serve(settings: Settings) -> None:
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(LoopErrorThrottle())
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     loop.add_signal_handler(signal.SIGHUP, _ignore_hangup)

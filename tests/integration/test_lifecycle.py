@@ -7,6 +7,7 @@ a real AF_UNIX datagram socket (tests.support.notify).
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import resource
 import shutil
@@ -383,6 +384,49 @@ def test_open_files_soft_limit_is_raised_to_the_hard_limit(
     assert line.split()[3] == str(expected), line
     ready = svc.wait_log("ready", timeout=5)
     assert ready["OPEN_FILES_LIMIT"] == expected, ready
+
+
+async def test_out_of_open_files_is_logged_once_and_the_service_recovers(
+    service_factory: ServiceFactory,
+) -> None:
+    # A hard limit of 64 that toko-api cannot lift, and more silent clients
+    # than it has files for. Python's accept loop then reports every failed
+    # accept() and schedules a retry per backlog slot, and the retries
+    # multiply: unthrottled, over 4,000 error lines a second, each with a
+    # traceback, and more at stop for the retries left pending.
+    limit = 64
+    prlimit = shutil.which("prlimit")
+    assert prlimit is not None, "prlimit (util-linux) is missing"
+    svc = service_factory(
+        {"TOKO_CLIENT_TIMEOUT": "1"},
+        executable=Path(prlimit),
+        args=(f"--nofile={limit}:{limit}", str(TOKO_API)),
+    ).start()
+    await svc.async_wait_ready(timeout=20)
+    free = limit - len(os.listdir(f"/proc/{svc.pid}/fd"))
+    clients = [await asyncio.open_connection("127.0.0.1", svc.port) for _ in range(free + 20)]
+    try:
+        # The server closes each silent client after TOKO_CLIENT_TIMEOUT; those
+        # past the limit wait in the listen queue until a retry accepts them,
+        # so every client closed means the retries ran, at the limit and after.
+        async with asyncio.timeout(30):
+            closed = await asyncio.gather(*(reader.read() for reader, _ in clients))
+        assert closed == [b""] * len(clients)
+    finally:
+        for _, writer in clients:
+            writer.close()
+    async with aiohttp.ClientSession() as session:
+        await create_product(session, svc.base_url, "Kopi", 1000)
+    svc.send_signal(signal.SIGTERM)
+    assert await svc.async_wait_exit(timeout=20) == 0
+
+    loop_errors = [r for r in svc.logs.snapshot() if r.get("logger") == "asyncio"]
+    assert any("Too many open files" in r.get("exception", "") for r in loop_errors), (
+        "the test never reached the limit"
+    )
+    # One line per distinct error per 10 s: the accept failure, and perhaps a
+    # retry that outlived the socket at stop.
+    assert len(loop_errors) <= 2, [r["message"] for r in loop_errors[:5]]
 
 
 def test_quick_answers_do_not_load_the_server(tmp_path: Path) -> None:

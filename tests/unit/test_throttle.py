@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
+import os
+from collections.abc import Iterator
 
 import pytest
 
-from service.logs import Throttle
+from service.logs import LoopErrorThrottle, Throttle
 
 
 class Clock:
@@ -64,3 +68,48 @@ def test_after_a_quiet_interval_the_next_failure_is_logged_plainly(
         throttle.log(log, logging.WARNING, "connection lost")
     assert [r.getMessage() for r in caplog.records] == ["connection lost", "connection lost"]
     assert all("SUPPRESSED" not in r.__dict__ for r in caplog.records)
+
+
+@pytest.fixture
+def loop(clock: Clock) -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(LoopErrorThrottle(10.0, clock))
+    yield loop
+    loop.close()
+
+
+def _accept_failed() -> dict[str, object]:
+    # What Python's accept loop reports at the open-files limit.
+    return {
+        "message": "socket.accept() out of system resource",
+        "exception": OSError(errno.EMFILE, os.strerror(errno.EMFILE)),
+    }
+
+
+def test_event_loop_errors_that_repeat_are_logged_once_per_interval(
+    caplog: pytest.LogCaptureFixture, clock: Clock, loop: asyncio.AbstractEventLoop
+) -> None:
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        for _ in range(1000):
+            loop.call_exception_handler(_accept_failed())
+        # Another error is not held back by the first one's flood.
+        loop.call_exception_handler(
+            {"message": "Exception in callback", "exception": ValueError("Invalid fd: -1")}
+        )
+        loop.call_exception_handler({"message": "Task was destroyed but it is pending!"})
+        loop.call_exception_handler({"message": "Task was destroyed but it is pending!"})
+        clock.now += 10
+        loop.call_exception_handler(_accept_failed())
+
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "socket.accept() out of system resource",
+        "Exception in callback",
+        "Task was destroyed but it is pending!",
+        "socket.accept() out of system resource"
+        " (999 more like this in the 10 s before were not logged)",
+    ]
+    # Logged as asyncio's own handler logs them: with the exception's traceback.
+    first = caplog.records[0]
+    assert first.exc_info is not None and first.exc_info[1] is not None
+    assert first.exc_info[1].errno == errno.EMFILE
