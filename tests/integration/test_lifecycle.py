@@ -425,8 +425,8 @@ async def test_out_of_open_files_is_logged_once_and_the_service_recovers(
         "the test never reached the limit"
     )
     # One line per distinct error per 10 s: the accept failure, and perhaps a
-    # retry that outlived the socket at stop.
-    assert len(loop_errors) <= 2, [r["message"] for r in loop_errors[:5]]
+    # retry that outlived the socket at stop (unthrottled: about a thousand).
+    assert len(loop_errors) <= 4, [r["message"] for r in loop_errors[:5]]
 
 
 def test_quick_answers_do_not_load_the_server(tmp_path: Path) -> None:
