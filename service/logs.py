@@ -52,8 +52,8 @@ class Throttle:
         self._held = 0
 
     def allow(self) -> int | None:
-        """None: hold this one back (it is counted). Otherwise log it, and this
-        many were held back before it."""
+        """Whether to log this occurrence: None to hold it back (it is counted),
+        else how many were held back since the last one logged."""
         now = self._clock()
         if now < self._quiet_until:
             self._held += 1
