@@ -320,7 +320,7 @@ class WorkerPool:
         return self.alive + self._config.workers - taken
 
     async def _seconds_until_due(self) -> float:
-        due = await self._store.next_due_at()
+        due = await self._store.next_due_at(self._held)
         if due is None:
             return SWEEP_SECONDS
         return min(SWEEP_SECONDS, max(0.0, due - self._clock()))
@@ -357,6 +357,11 @@ class WorkerPool:
             self._busy += 1
             try:
                 await self._run(job, name)
+            except BaseException:
+                # This worker dies mid-job (a bug, or a cancel). Let go of the
+                # job: its lease runs out and the claimer takes it again.
+                self._held.discard(job.id)
+                raise
             finally:
                 self._busy -= 1
                 self._capacity.set()

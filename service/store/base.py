@@ -121,8 +121,13 @@ class Store(Protocol):
         leases alone bring jobs back, and this returns 0.
         """
 
-    async def next_due_at(self) -> float | None:
-        """When the earliest pending job falls due (None when there is none)."""
+    async def next_due_at(self, held: Collection[int] = ()) -> float | None:
+        """When the next claim can take a job: the earliest pending job's due
+        time or running job's lease expiry (None when there is neither).
+
+        Leases of jobs in ``held`` do not count: ``claim`` never takes those,
+        so a held lease that looks expired must not make the claimer spin.
+        """
 
     async def counts(self) -> QueueCounts: ...
 

@@ -696,10 +696,12 @@ class PostgresStore:
         # Expired leases alone bring a dead instance's jobs back (see claim).
         return 0
 
-    async def next_due_at(self) -> float | None:
+    async def next_due_at(self, held: Collection[int] = ()) -> float | None:
         row = await self._fetchrow(
             "SELECT least((SELECT min(run_at) FROM jobs WHERE state = 'pending'),"
-            "             (SELECT min(lease_until) FROM jobs WHERE state = 'running'))",
+            "             (SELECT min(lease_until) FROM jobs WHERE state = 'running'"
+            "                 AND NOT (id = ANY($1::bigint[]))))",
+            list(held),
             retry=True,
         )
         return None if row is None or row[0] is None else float(row[0])

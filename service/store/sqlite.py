@@ -293,11 +293,15 @@ class SqliteStore:
         # Other processes (toko-recap) are heard by the pool's one-second sweep.
         pass
 
-    async def next_due_at(self) -> float | None:
+    async def next_due_at(self, held: Collection[int] = ()) -> float | None:
+        held_ids = json.dumps(list(held))
+
         def read(conn: sqlite3.Connection) -> float | None:
             (due,) = conn.execute("SELECT min(run_at) FROM jobs WHERE state = 'pending'").fetchone()
             (lease,) = conn.execute(
                 "SELECT min(lease_until) FROM jobs WHERE state = 'running'"
+                " AND id NOT IN (SELECT value FROM json_each(?))",
+                (held_ids,),
             ).fetchone()
             times = [t for t in (due, lease) if t is not None]
             return min(times) if times else None

@@ -338,8 +338,12 @@ async def test_a_held_job_is_not_claimed_again_after_a_clock_step(
 ) -> None:
     await store.enqueue(NewJob("k", {}, 3))
     (job,) = await store.claim(1, lease_seconds=60)
+    lease_until = clock.now + 60
     clock.now += 3600  # NTP steps the wall clock: the lease looks expired
     assert await store.claim(5, 60, held={job.id}) == []  # its holder never retakes it
+    # Nor does its lease count as due for it: its claimer would wake at once, forever.
+    assert await store.next_due_at(held={job.id}) is None
+    assert await store.next_due_at() == lease_until
     (again,) = await store.claim(5, 60, held={job.id + 1})  # anyone else may
     assert (again.id, again.attempts) == (job.id, 2)
 

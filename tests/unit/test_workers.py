@@ -174,12 +174,59 @@ async def test_a_clock_step_does_not_make_the_pool_retake_its_running_job(
         return jobs
 
     monkeypatch.setattr(store, "claim", recording_claim)
+    # After that claim the claimer asks when to look again: not "now", which
+    # would make it claim in a loop for as long as the job runs.
+    asked = asyncio.Event()
+    real_next_due_at = store.next_due_at
+    next_due: list[float | None] = []
+
+    async def recording_next_due_at(held: Collection[int] = ()) -> float | None:
+        due = await real_next_due_at(held)
+        next_due.append(due)
+        asked.set()
+        return due
+
+    monkeypatch.setattr(store, "next_due_at", recording_next_due_at)
     pool.notify()
     await claimed.wait()
+    await asked.wait()
     assert retaken == []
+    assert next_due == [None]
     release.set()
     assert (await wait_state(store, job_id, "done")).attempts == 1
     assert attempts == [1]
+
+
+async def test_the_job_of_a_worker_that_dies_mid_job_runs_again_after_its_lease(
+    store: Store,
+    clock: FakeClock,
+    make_pool: Callable[..., WorkerPool],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(workers, "SWEEP_SECONDS", 60.0)
+    attempts: list[int] = []
+    started = asyncio.Event()
+
+    async def handler(job: Job, ctx: JobContext) -> None:
+        attempts.append(job.attempts)
+        if job.attempts == 1:
+            started.set()
+            await asyncio.Event().wait()  # until its worker is killed
+
+    pool = make_pool(handler, workers=1)
+    await start_parked(pool, store, monkeypatch)
+    job_id = await store.enqueue(NewJob("k", {}, 3))
+    pool.notify()
+    await started.wait()
+    pool.kill_one_worker()
+    await asyncio.sleep(0)  # the cancellation lands
+    await asyncio.sleep(0)  # the done callback runs
+    assert pool.alive == 1
+    # Its job stays running on its lease, then the replacement takes it.
+    clock.now += pool._config.lease_seconds + 1
+    pool.notify()
+    job = await wait_state(store, job_id, "done")
+    assert job.attempts == 2 and attempts == [1, 2]
 
 
 async def test_a_write_that_stored_no_job_gives_its_slot_back(
