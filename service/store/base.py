@@ -6,10 +6,38 @@ methods. Every method is a coroutine and never blocks the event loop.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from service.models import Job, NewJob, Product, QueueCounts
+
+log = logging.getLogger("toko.store")
+
+# A job left running by a process that died (a crash, kill -9, the watchdog,
+# a stop that outlasted the drain) is tried again even when that was its last
+# attempt: it may never have started (POST /produk writes its job already
+# claimed). One that was left so with an attempt beyond its last is kept as
+# failed instead, so a job that takes toko down cannot restart it forever.
+# Both stores test this SQL against the row as it was before the update.
+ABANDONED_AGAIN_SQL = "jobs.state = 'running' AND jobs.attempts > jobs.max_attempts"
+ABANDONED_ERROR = "abandoned: the process running it died, in an attempt beyond its last"
+
+
+def without_abandoned(jobs: list[Job]) -> list[Job]:
+    """The jobs of a claim or recovery, less those it kept as failed (logged here)."""
+    for job in jobs:
+        if job.state == "failed":
+            log.error(
+                "job failed permanently",
+                extra={
+                    "JOB_ID": job.id,
+                    "JOB_KIND": job.kind,
+                    "ATTEMPT": job.attempts,
+                    "ERROR": ABANDONED_ERROR,
+                },
+            )
+    return [job for job in jobs if job.state != "failed"]
 
 
 class StoreError(RuntimeError):
@@ -91,6 +119,9 @@ class Store(Protocol):
     ) -> list[Job]:
         """Lease up to ``limit`` due jobs (pending and due, or running with an expired lease).
 
+        A running job whose lease expired in an attempt beyond its last is
+        kept as failed instead (``ABANDONED_AGAIN_SQL``).
+
         Never one in ``held``: the jobs the claiming process still runs or has
         yet to ack. Their leases can look expired to it after its wall clock
         steps forward (NTP correcting a board without a battery-backed clock),
@@ -114,7 +145,8 @@ class Store(Protocol):
         """Return claimed-but-unstarted jobs to pending without counting an attempt."""
 
     async def recover_abandoned(self) -> int:
-        """At start-up: jobs left running by a dead process become pending again.
+        """At start-up: jobs left running by a dead process become pending again
+        (or failed, as ``claim`` does, past their last attempt).
 
         SQLite (one toko-api per file) re-queues every running job. A shared
         backend must not touch jobs other live instances hold: there, expired

@@ -42,7 +42,13 @@ import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 from service.logs import Throttle
 from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts, job_from_row
 from service.store.admin import RETRYABLE_WHERE, JobDetails, QueueStats, Retryable
-from service.store.base import StoreError, WriteHealth
+from service.store.base import (
+    ABANDONED_AGAIN_SQL,
+    ABANDONED_ERROR,
+    StoreError,
+    WriteHealth,
+    without_abandoned,
+)
 from service.store.pg_migrations import JOBS_CHANNEL, RECAP_LOCK_CLASS, SchemaTooNew, migrate
 
 T = TypeVar("T")
@@ -612,8 +618,12 @@ class PostgresStore:
             ), picked AS (
                 SELECT id FROM due UNION ALL SELECT id FROM expired LIMIT $3
             )
-            UPDATE jobs SET state = 'running', attempts = attempts + 1,
-                   lease_until = $2, updated_at = $1
+            UPDATE jobs
+               SET state = CASE WHEN {ABANDONED_AGAIN_SQL} THEN 'failed' ELSE 'running' END,
+                   attempts = CASE WHEN {ABANDONED_AGAIN_SQL} THEN attempts ELSE attempts + 1 END,
+                   lease_until = CASE WHEN {ABANDONED_AGAIN_SQL} THEN NULL ELSE $2::float8 END,
+                   last_error = CASE WHEN {ABANDONED_AGAIN_SQL} THEN $5::text ELSE last_error END,
+                   updated_at = $1
               FROM picked WHERE jobs.id = picked.id
             RETURNING {", ".join(f"jobs.{c}" for c in _JOB_COLUMNS.split(", "))}
             """,
@@ -621,10 +631,12 @@ class PostgresStore:
             now + lease_seconds,
             limit,
             list(held),
+            ABANDONED_ERROR,
             write=True,
             lane=self._claims,
         )
-        return sorted((job_from_row(row) for row in rows), key=lambda job: job.id)
+        jobs = sorted((job_from_row(row) for row in rows), key=lambda job: job.id)
+        return without_abandoned(jobs)
 
     async def complete(self, job_ids: Sequence[int]) -> None:
         if job_ids:

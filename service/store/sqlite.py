@@ -30,7 +30,13 @@ from typing import Any, TypeVar
 
 from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts, job_from_row
 from service.store.admin import RETRYABLE_WHERE, JobDetails, QueueStats, Retryable
-from service.store.base import StoreError, WriteHealth
+from service.store.base import (
+    ABANDONED_AGAIN_SQL,
+    ABANDONED_ERROR,
+    StoreError,
+    WriteHealth,
+    without_abandoned,
+)
 from service.store.file_guard import FileGuard
 from service.store.group_commit import BatchFn, GroupCommitWriter
 from service.store.migrations import migrate
@@ -266,7 +272,8 @@ class SqliteStore:
         self, limit: int, lease_seconds: float, held: Collection[int] = ()
     ) -> list[Job]:
         now = self._clock()
-        return await self._write(_claim, (limit, now, now + lease_seconds, json.dumps(list(held))))
+        jobs = await self._write(_claim, (limit, now, now + lease_seconds, json.dumps(list(held))))
+        return without_abandoned(jobs)
 
     async def complete(self, job_ids: Sequence[int]) -> None:
         if job_ids:
@@ -287,7 +294,7 @@ class SqliteStore:
             await self._write(_release, (list(job_ids), self._clock()))
 
     async def recover_abandoned(self) -> int:
-        return await self._write(_recover_abandoned, self._clock())
+        return len(without_abandoned(await self._write(_recover_abandoned, self._clock())))
 
     def add_wakeup_listener(self, callback: Callable[[], None]) -> None:
         # Other processes (toko-recap) are heard by the pool's one-second sweep.
@@ -543,8 +550,12 @@ def _claim(conn: sqlite3.Connection, items: list[tuple[int, float, float, str]])
         rows = conn.execute(
             f"""
             UPDATE jobs
-               SET state = 'running', attempts = attempts + 1,
-                   lease_until = :lease, updated_at = :now
+               SET state = CASE WHEN {ABANDONED_AGAIN_SQL} THEN 'failed' ELSE 'running' END,
+                   attempts = CASE WHEN {ABANDONED_AGAIN_SQL} THEN attempts ELSE attempts + 1 END,
+                   lease_until = CASE WHEN {ABANDONED_AGAIN_SQL} THEN NULL ELSE :lease END,
+                   last_error = CASE WHEN {ABANDONED_AGAIN_SQL} THEN :abandoned
+                                ELSE last_error END,
+                   updated_at = :now
              WHERE id IN (
                    -- Each side stops after :limit rows of the (state, run_at)
                    -- index, so a claim costs the same with a backlog of millions.
@@ -559,7 +570,13 @@ def _claim(conn: sqlite3.Connection, items: list[tuple[int, float, float, str]])
                    LIMIT :limit)
             RETURNING {_JOB_COLUMNS}
             """,
-            {"now": now, "lease": lease, "limit": limit, "held": held},
+            {
+                "now": now,
+                "lease": lease,
+                "limit": limit,
+                "held": held,
+                "abandoned": ABANDONED_ERROR,
+            },
         ).fetchall()
         claimed.append(sorted((job_from_row(row) for row in rows), key=lambda job: job.id))
     return claimed
@@ -629,18 +646,25 @@ def _rewrite_schema_version(conn: sqlite3.Connection, items: list[None]) -> list
     return [None] * len(items)
 
 
-def _recover_abandoned(conn: sqlite3.Connection, items: list[float]) -> list[int]:
+def _recover_abandoned(conn: sqlite3.Connection, items: list[float]) -> list[list[Job]]:
     # A single SQLite file has a single toko-api (it holds the instance lock),
     # so any running job belongs to a process that is gone.
-    counts = []
+    recovered = []
     for now in items:
-        cur = conn.execute(
-            "UPDATE jobs SET state = 'pending', lease_until = NULL, updated_at = ? "
-            "WHERE state = 'running'",
-            (now,),
-        )
-        counts.append(cur.rowcount)
-    return counts
+        rows = conn.execute(
+            f"""
+            UPDATE jobs
+               SET state = CASE WHEN {ABANDONED_AGAIN_SQL} THEN 'failed' ELSE 'pending' END,
+                   last_error = CASE WHEN {ABANDONED_AGAIN_SQL} THEN :abandoned
+                                ELSE last_error END,
+                   lease_until = NULL, updated_at = :now
+             WHERE state = 'running'
+            RETURNING {_JOB_COLUMNS}
+            """,
+            {"now": now, "abandoned": ABANDONED_ERROR},
+        ).fetchall()
+        recovered.append([job_from_row(row) for row in rows])
+    return recovered
 
 
 RecapArg = tuple[str, int, int, NewJob, float]
@@ -691,10 +715,14 @@ def _retry_now(conn: sqlite3.Connection, items: list[RetryArg]) -> list[list[int
 def _purge_done(conn: sqlite3.Connection, items: list[tuple[float, int]]) -> list[int]:
     counts = []
     for older_than, chunk in items:
+        # The newest job stays, however old: SQLite numbers a new row one past
+        # the largest id, so the next job would get the purged one's id, and
+        # its email the Message-ID of an email already sent.
         ids = [
             row[0]
             for row in conn.execute(
-                "SELECT id FROM jobs WHERE state = 'done' AND updated_at < ? LIMIT ?",
+                "SELECT id FROM jobs WHERE state = 'done' AND updated_at < ?"
+                " AND id < (SELECT max(id) FROM jobs) LIMIT ?",
                 (older_than, chunk),
             )
         ]

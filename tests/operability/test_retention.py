@@ -99,8 +99,25 @@ async def test_purge_works_in_chunks(tmp_path: Path) -> None:
         for _ in range(7):
             await job_in_state(store, clock, 1_000_000.0, "done", "k")
         assert await store.purge_done(1_000_000.0, chunk=3) == 0  # not older than the cut
-        assert await store.purge_done(1_000_001.0, chunk=3) == 7
-        assert (await store.counts()).done == 0
+        assert await store.purge_done(1_000_001.0, chunk=3) == 6
+        assert (await store.counts()).done == 1  # the newest (next test)
+    finally:
+        await store.close()
+
+
+async def test_purge_keeps_the_newest_job_so_no_id_is_given_twice(tmp_path: Path) -> None:
+    # A job's id makes its email's Message-ID; SQLite numbers a new row one
+    # past the largest id, so purging the newest would hand its id on.
+    clock = Clock(1_000_000.0)
+    store = SqliteStore(str(tmp_path / "toko.db"), clock=clock)
+    await store.open()
+    try:
+        first = await job_in_state(store, clock, 1_000_000.0, "done", "k")
+        assert await store.purge_done(2_000_000.0, chunk=3) == 0
+        second = await job_in_state(store, clock, 1_000_000.0, "done", "k")
+        assert second == first + 1
+        assert await store.purge_done(2_000_000.0, chunk=3) == 1
+        assert await store.get_job(first) is None and await store.get_job(second) is not None
     finally:
         await store.close()
 

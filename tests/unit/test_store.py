@@ -12,7 +12,7 @@ import pytest
 
 from service.models import NewJob, Product
 from service.store.admin import QueueAdmin
-from service.store.base import Store, StoreError
+from service.store.base import ABANDONED_ERROR, Store, StoreError
 from service.store.group_commit import GroupCommitWriter
 from service.store.migrations import LATEST_VERSION, MIGRATIONS, migrate
 from service.store.postgres import PostgresStore
@@ -346,6 +346,38 @@ async def test_a_held_job_is_not_claimed_again_after_a_clock_step(
     assert await store.next_due_at() == lease_until
     (again,) = await store.claim(5, 60, held={job.id + 1})  # anyone else may
     assert (again.id, again.attempts) == (job.id, 2)
+
+
+async def test_a_job_whose_process_dies_beyond_its_last_attempt_is_kept_failed(
+    store: Store, clock: FakeClock
+) -> None:
+    # A job that takes its process down each time: its lease runs out, and
+    # it is claimed again, once past its last attempt (that one may never
+    # have started), and then kept as failed, not claimed forever.
+    job_id = await store.enqueue(NewJob("k", {}, 2))
+    for attempt in (1, 2, 3):
+        (job,) = await store.claim(5, 60)
+        assert (job.id, job.attempts) == (job_id, attempt)
+        clock.now += 61  # the process died: nobody acks, the lease runs out
+    assert await store.claim(5, 60) == []
+    failed = await store.get_job(job_id)
+    assert failed is not None and (failed.state, failed.attempts) == ("failed", 3)
+    assert failed.last_error == ABANDONED_ERROR
+    assert await store.next_due_at() is None
+
+
+async def test_recovery_at_start_keeps_a_job_failed_beyond_its_last_attempt(
+    sqlite_store: SqliteStore,
+) -> None:
+    job_id = await sqlite_store.enqueue(NewJob("k", {}, 1))
+    await sqlite_store.claim(1, 3600)
+    assert await sqlite_store.recover_abandoned() == 1  # its last attempt: once more
+    (job,) = await sqlite_store.claim(1, 3600)
+    assert job.attempts == 2
+    assert await sqlite_store.recover_abandoned() == 0  # died again: failed
+    failed = await sqlite_store.get_job(job_id)
+    assert failed is not None and failed.state == "failed"
+    assert failed.last_error == ABANDONED_ERROR
 
 
 async def test_a_job_enqueued_leased_is_already_claimed(store: Store, clock: FakeClock) -> None:
