@@ -149,6 +149,14 @@ class GroupCommitWriter:
             died = exc
         finally:
             self._ended = True
+            if died is None and self._refused is None:
+                # One last look before the connection closes: the file may have
+                # gone since the last commit, and then only this connection still
+                # sees what was written (verify saves it).
+                try:
+                    self._refusal(conn)
+                except Exception:
+                    log.exception("SQLite writer: the last check of the database file failed")
             conn.close()
             self._fail_waiting(ops)
         if died is not None and self._on_death is not None:

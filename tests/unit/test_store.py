@@ -282,6 +282,22 @@ async def test_reads_after_the_file_is_deleted_create_nothing_at_its_path(
     assert sorted(database.parent.iterdir()) == [], "nothing was created at the path"
 
 
+async def test_a_file_deleted_after_the_last_write_is_saved_when_the_store_closes(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    # The writer checks the file after each commit; a stop with no write
+    # since the rm must not end the only copy of what was stored.
+    database = tmp_path / "toko.db"
+    store = SqliteStore(str(database), clock=clock)
+    await store.open()
+    product, _ = await store.create_product("Kopi", 1, email_job)
+    for path in database.parent.glob("toko.db*"):
+        path.unlink()
+    await store.close()
+    (rescued,) = database.parent.glob("toko.db.rescued-*")
+    assert rows(str(rescued), "SELECT id, nama FROM products") == [(product.id, "Kopi")]
+
+
 async def test_migrations_are_idempotent(backend: Backend) -> None:
     for _ in range(2):
         s = backend.make_store()
