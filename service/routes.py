@@ -15,6 +15,7 @@ from service.store.base import StoreError, write_error
 from service.tasks import PRODUCT_EMAIL, product_email_job
 from service.validation import (
     ID_MAX,
+    ascii_int,
     idempotency_key,
     page_params,
     parse_json_object,
@@ -120,10 +121,15 @@ async def list_products(request: web.Request) -> web.Response:
 # ASCII digits: \d would also match other scripts' digits, which int() takes.
 @routes.get(r"/produk/{id:[0-9]+}")
 async def get_product(request: web.Request) -> web.Response:
-    product_id = int(request.match_info["id"])
-    product = await request.app[STORE].get_product(product_id) if product_id <= ID_MAX else None
+    text = request.match_info["id"]
+    product_id = ascii_int(text, 0, ID_MAX)
+    if product_id is None:  # past 64 bits: no such row can exist
+        # Not echoed whole: the path may be thousands of digits.
+        shown = text if len(text) <= 30 else f"{text[:20]}... ({len(text)} digits)"
+        return json_error(404, f"no product with id {shown}")
+    product = await request.app[STORE].get_product(product_id)
     if product is None:
-        return json_error(404, f"no product with id {request.match_info['id']}")
+        return json_error(404, f"no product with id {product_id}")
     return web.json_response(product.to_json())
 
 

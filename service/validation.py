@@ -136,9 +136,15 @@ def ascii_int(text: str, low: int, high: int) -> int | None:
     ASCII digits only: no sign, no spaces, and not the digits of other scripts,
     which int() would take.
     """
-    if text.isascii() and text.isdigit() and low <= int(text) <= high:
-        return int(text)
-    return None
+    if not (text.isascii() and text.isdigit()):
+        return None
+    # int() raises ValueError past 4300 digits (sys.get_int_max_str_digits),
+    # leading zeros included; more digits than ``high`` has are out of range anyway.
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(high)):
+        return None
+    value = int(digits)
+    return value if low <= value <= high else None
 
 
 def _int_param(query: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:

@@ -19,6 +19,11 @@ from tests.support.service import ServiceProcess, ready_service
 
 JSON = {"Content-Type": "application/json"}
 LIMIT = 64 * 1024
+# More digits than Python's int() takes from a string (4300).
+DIGITS = "1" * 5000
+ZEROS = "0" * 5000
+# No answer echoes such input whole: an error message stays readable.
+MESSAGE_MAX = 300
 
 
 def _body(obj: object) -> bytes:
@@ -34,6 +39,8 @@ class Case:
     path: str = "/produk"
     headers: dict[str, str] = field(default_factory=lambda: dict(JSON))
     chunked: bool = False
+    # Part of the error message: it says what is wrong.
+    says: str = ""
 
 
 CASES = [
@@ -139,6 +146,22 @@ CASES = [
     Case("non-numeric-id", 404, None, method="GET", path="/produk/abc"),
     Case("missing-id", 404, None, method="GET", path="/produk/999999"),
     Case("negative-id", 404, None, method="GET", path="/produk/-1"),
+    Case(
+        "5000-digit-id",
+        404,
+        None,
+        method="GET",
+        path=f"/produk/{DIGITS}",
+        says="no product with id 1111",
+    ),
+    Case(
+        "id-after-5000-zeros",
+        404,
+        None,
+        method="GET",
+        path=f"/produk/{ZEROS}7",
+        says="no product with id 7",
+    ),
     # Pagination.
     Case("limit-zero", 400, None, method="GET", path="/produk?limit=0"),
     Case("limit-too-big", 400, None, method="GET", path="/produk?limit=201"),
@@ -147,6 +170,30 @@ CASES = [
     Case("after-text", 400, None, method="GET", path="/produk?after=abc"),
     Case("after-negative", 400, None, method="GET", path="/produk?after=-5"),
     Case("limit-twice", 400, None, method="GET", path="/produk?limit=1&limit=200"),
+    Case(
+        "limit-5000-digits",
+        400,
+        None,
+        method="GET",
+        path=f"/produk?limit={DIGITS}",
+        says="query parameter 'limit' must be an integer from 1 to 200",
+    ),
+    Case(
+        "limit-zeros-then-too-big",
+        400,
+        None,
+        method="GET",
+        path=f"/produk?limit={ZEROS}201",
+        says="query parameter 'limit' must be an integer from 1 to 200",
+    ),
+    Case(
+        "after-5000-digits",
+        400,
+        None,
+        method="GET",
+        path=f"/produk?after={DIGITS}",
+        says="query parameter 'after' must be an integer from 0 to",
+    ),
 ]
 
 
@@ -178,10 +225,20 @@ async def test_bad_request(api: ServiceProcess, case: Case) -> None:
     assert isinstance(payload, dict), payload
     assert isinstance(payload.get("error"), str), payload
     assert payload["error"].strip(), payload
+    assert case.says in payload["error"], payload
+    assert len(payload["error"]) <= MESSAGE_MAX, payload
     assert db.product_count(api.database) == before == 0
     health = await http.request(api.port, "GET", "/healthz", headers={})
     assert health.status == 200, health
     assert api.returncode is None
+
+
+async def test_leading_zeros_do_not_count_as_digits(api: ServiceProcess) -> None:
+    # One at a time: together they would exceed aiohttp's 8190-byte request line.
+    for query in (f"after={ZEROS}", f"limit={ZEROS}5"):
+        page = await http.request(api.port, "GET", f"/produk?{query}")
+        assert page.status == 200, page
+        assert page.json() == []
 
 
 async def test_malformed_http_is_a_400_and_a_warning_not_an_error(api: ServiceProcess) -> None:

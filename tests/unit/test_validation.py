@@ -5,7 +5,14 @@ from typing import Any
 import pytest
 from multidict import MultiDict
 
-from service.validation import InvalidInput, page_params, parse_json_object, validate_new_product
+from service.validation import (
+    ID_MAX,
+    InvalidInput,
+    ascii_int,
+    page_params,
+    parse_json_object,
+    validate_new_product,
+)
 
 
 def test_valid_product_is_trimmed() -> None:
@@ -64,6 +71,35 @@ def test_page_params() -> None:
     for bad in ({"limit": "0"}, {"limit": "201"}, {"after": "-1"}, {"after": "x"}, {"page": "2"}):
         with pytest.raises(InvalidInput):
             page_params(MultiDict(bad))
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("0", 0),
+        ("42", 42),
+        ("0" * 5000 + "42", 42),
+        (str(ID_MAX), ID_MAX),
+        (str(ID_MAX + 1), None),
+        ("1" * 5000, None),  # past int()'s 4300 digits: no ValueError, just None
+        ("0" * 5000, 0),
+        ("", None),
+        ("-1", None),
+        ("+1", None),
+        (" 1", None),
+        ("\u0661", None),  # ARABIC-INDIC DIGIT ONE: int() takes it
+    ],
+)
+def test_ascii_int(text: str, value: int | None) -> None:
+    assert ascii_int(text, 0, ID_MAX) == value
+
+
+def test_page_params_with_5000_digits_say_what_is_wrong() -> None:
+    with pytest.raises(InvalidInput, match=r"^query parameter 'limit' must be an integer from 1"):
+        page_params(MultiDict({"limit": "9" * 5000}))
+    with pytest.raises(InvalidInput, match=r"^query parameter 'after' must be an integer from 0"):
+        page_params(MultiDict({"after": "9" * 5000}))
+    assert page_params(MultiDict({"after": "0" * 5000 + "3", "limit": "0" * 5000 + "7"})) == (3, 7)
 
 
 def test_a_repeated_page_param_is_refused_not_guessed() -> None:
