@@ -16,6 +16,9 @@ PAGE_DEFAULT = 50
 PAGE_MAX = 200
 # SQLite and PostgreSQL integers are 64-bit; larger ids cannot exist.
 ID_MAX = 2**63 - 1
+# Far more than harga takes, far fewer than int()'s 4300: a longer integer in a
+# body is refused as such, not echoed back or left to int()'s own message.
+JSON_INT_DIGITS_MAX = 40
 PRODUCT_FIELDS = frozenset({"nama", "harga"})
 # Control characters (C0, DEL, C1), the line and paragraph separators, and
 # lone surrogates (what a stray \uD800 escape decodes to): none belongs in a
@@ -25,6 +28,12 @@ _FORBIDDEN_IN_NAMA = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]"
 
 class InvalidInput(ValueError):
     """The client sent something we cannot accept (HTTP 400)."""
+
+
+class _LongInteger(ValueError):
+    def __init__(self, digits: int) -> None:
+        super().__init__(digits)
+        self.digits = digits
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -46,7 +55,13 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidInput(
             f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
-    except ValueError as exc:  # e.g. an integer of thousands of digits
+    except _LongInteger as exc:
+        # harga is the only number a product has.
+        raise InvalidInput(
+            f"field 'harga' must be an integer from 0 to {HARGA_MAX}; "
+            f"the body has one of {exc.digits} digits"
+        ) from None
+    except ValueError as exc:  # NaN, Infinity
         raise InvalidInput(f"body is not valid JSON: {exc}") from None
     except RecursionError:
         raise InvalidInput("body is nested too deeply to be a product") from None
@@ -60,8 +75,15 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _parse_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > JSON_INT_DIGITS_MAX:
+        raise _LongInteger(digits)
+    return int(text)
+
+
 # One decoder for every request: json.loads with options builds a new one each call.
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_int=_parse_int)
 
 
 def validate_new_product(data: Mapping[str, Any]) -> tuple[str, int]:
