@@ -80,7 +80,9 @@ async def _json_body(request: web.Request) -> bytes:
                 "(with curl: -H 'Content-Type: application/json')",
             )
         )
-    coding = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
+    # All of them: aiohttp decodes by the last header alone, so a second one
+    # (gzip, then compress) would pass through undecoded.
+    coding = ", ".join(request.headers.getall(hdrs.CONTENT_ENCODING, ())).strip().lower()
     if coding not in BODY_CODINGS:
         raise Refused(
             json_error(

@@ -39,6 +39,8 @@ class Case:
     path: str = "/produk"
     headers: dict[str, str] = field(default_factory=lambda: dict(JSON))
     chunked: bool = False
+    # Sent after ``headers``: a header given a second time.
+    repeated: tuple[tuple[str, str], ...] = ()
     # Part of the error message: it says what is wrong.
     says: str = ""
 
@@ -112,6 +114,14 @@ CASES = [
         415,
         _body({"nama": "Kopi", "harga": 1}),
         headers={**JSON, "Content-Encoding": "gzip, identity"},
+    ),
+    # aiohttp decodes by the last of several headers; all of them count.
+    Case(
+        "content-encoding-twice",
+        415,
+        _body({"nama": "Kopi", "harga": 1}),
+        repeated=(("Content-Encoding", "gzip"), ("Content-Encoding", "compress")),
+        says="gzip, compress is not supported",
     ),
     # A body that does not decode in the Content-Encoding it declares.
     Case(
@@ -221,7 +231,7 @@ async def test_bad_request(api: ServiceProcess, case: Case) -> None:
         case.method,
         case.path,
         body=case.body,
-        headers=case.headers,
+        headers=[*case.headers.items(), *case.repeated],
         chunked=case.chunked,
     )
     assert resp.status == case.status, resp

@@ -1,8 +1,9 @@
 """A raw HTTP/1.1 client over asyncio streams, for requests a library would "fix".
 
 :func:`request` sends exactly the bytes it is given (invalid UTF-8, no or wrong
-Content-Type, chunked bodies, any method) with ``Connection: close`` and reads the
-whole response. Use aiohttp's ClientSession for well-formed traffic.
+Content-Type, chunked bodies, any method, a header twice: give ``headers`` as pairs)
+with ``Connection: close`` and reads the whole response. Use aiohttp's
+ClientSession for well-formed traffic.
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+# A mapping, or (name, value) pairs when a header is to be sent more than once.
+Headers = Mapping[str, str] | Iterable[tuple[str, str]]
 
 
 @dataclass(frozen=True)
@@ -34,13 +38,14 @@ def build_request(
     path: str,
     *,
     host: str = "127.0.0.1",
-    headers: Mapping[str, str] | None = None,
+    headers: Headers | None = None,
     body: bytes | None = None,
     chunked: bool = False,
 ) -> bytes:
     """The bytes of one request; Content-Length (or chunked framing) is added for a body."""
     lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", "Connection: close"]
-    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    pairs = headers.items() if isinstance(headers, Mapping) else headers or ()
+    lines += [f"{k}: {v}" for k, v in pairs]
     payload = b""
     if body is not None:
         if chunked:
@@ -79,7 +84,7 @@ async def request(
     path: str,
     *,
     body: bytes | None = None,
-    headers: Mapping[str, str] | None = None,
+    headers: Headers | None = None,
     chunked: bool = False,
     host: str = "127.0.0.1",
     timeout: float = 10.0,  # noqa: ASYNC109
