@@ -73,10 +73,13 @@ async def _json_body(request: web.Request) -> bytes:
     """The body of a JSON request, decoded from gzip or deflate; Refused otherwise."""
     content_type = request.content_type
     if content_type not in JSON_TYPES and not content_type.endswith("+json"):
+        # aiohttp reports application/octet-stream when no Content-Type was sent.
+        sent = hdrs.CONTENT_TYPE in request.headers
+        got = f"got {content_type or 'none'}" if sent else "but none was sent"
         raise Refused(
             json_error(
                 415,
-                f"Content-Type must be application/json, got {content_type or 'none'} "
+                f"Content-Type must be application/json, {got} "
                 "(with curl: -H 'Content-Type: application/json')",
             )
         )

@@ -143,7 +143,13 @@ CASES = [
         '{"nama": "Kopi Caf\u00e9", "harga": 1}'.encode("latin-1"),
         headers={"Content-Type": "application/json; charset=latin-1"},
     ),
-    Case("no-content-type", 415, _body({"nama": "Kopi", "harga": 1}), headers={}),
+    Case(
+        "no-content-type",
+        415,
+        _body({"nama": "Kopi", "harga": 1}),
+        headers={},
+        says="none was sent",
+    ),
     Case(
         "form-urlencoded",
         415,
