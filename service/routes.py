@@ -37,7 +37,7 @@ REPLAYED = "Idempotent-Replayed"
 
 @routes.post("/produk")
 async def create_product(request: web.Request) -> web.Response:
-    key = idempotency_key(request.headers.get(IDEMPOTENCY_KEY))
+    key = idempotency_key(request.headers.getall(IDEMPOTENCY_KEY, ()))
     data = parse_json_object(await _json_body(request))
     nama, harga = validate_new_product(data)
     max_attempts = request.app[SETTINGS].job_max_attempts

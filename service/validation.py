@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -124,10 +124,14 @@ def _harga(data: Mapping[str, Any]) -> int:
 _IDEMPOTENCY_KEY = re.compile(r"[\x20-\x7e]{1,255}")
 
 
-def idempotency_key(value: str | None) -> str | None:
+def idempotency_key(values: Sequence[str]) -> str | None:
     """The Idempotency-Key header's value, or None when it was not sent."""
-    if value is None:
+    if not values:
         return None
+    # As with a repeated query parameter: taking either would be a guess.
+    if len(values) > 1:
+        raise InvalidInput("Idempotency-Key given more than once; send one")
+    (value,) = values
     # The draft standard sends it as a quoted string; plain tokens are common too.
     if len(value) >= 2 and value[0] == value[-1] == '"':
         value = value[1:-1]

@@ -215,6 +215,14 @@ CASES = [
         path=f"/produk?after={DIGITS}",
         says="query parameter 'after' must be an integer from 0 to",
     ),
+    # Idempotency-Key.
+    Case(
+        "idempotency-key-twice",
+        400,
+        _body({"nama": "Kopi", "harga": 1}),
+        repeated=(("Idempotency-Key", "a1"), ("Idempotency-Key", "b2")),
+        says="Idempotency-Key given more than once",
+    ),
 ]
 
 

@@ -9,6 +9,7 @@ from service.validation import (
     ID_MAX,
     InvalidInput,
     ascii_int,
+    idempotency_key,
     page_params,
     parse_json_object,
     validate_new_product,
@@ -106,6 +107,15 @@ def test_page_params_with_5000_digits_say_what_is_wrong() -> None:
     with pytest.raises(InvalidInput, match=r"^query parameter 'after' must be an integer from 0"):
         page_params(MultiDict({"after": "9" * 5000}))
     assert page_params(MultiDict({"after": "0" * 5000 + "3", "limit": "0" * 5000 + "7"})) == (3, 7)
+
+
+def test_idempotency_key() -> None:
+    assert idempotency_key([]) is None
+    assert idempotency_key(["order-1"]) == "order-1"
+    assert idempotency_key(['"order-1"']) == "order-1"
+    # Which one the client meant cannot be known, as with a repeated query parameter.
+    with pytest.raises(InvalidInput, match=r"^Idempotency-Key given more than once"):
+        idempotency_key(["a1", "b2"])
 
 
 def test_a_repeated_page_param_is_refused_not_guessed() -> None:
