@@ -101,6 +101,25 @@ def test_service_serves_the_repository_document(live_service: ServiceProcess) ->
     assert served == (Path(service.__file__).parent / "openapi.json").read_bytes()
 
 
+def test_the_document_allows_a_nama_the_service_takes(live_service: ServiceProcess) -> None:
+    # The service trims first: 203 characters that trim to 200 are a good nama,
+    # so a client validating against the document must not refuse them.
+    nama = "   " + "a" * 200
+    request = urllib.request.Request(
+        live_service.url("/produk"),
+        data=json.dumps({"nama": nama, "harga": 1}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 201
+        assert json.loads(resp.read())["nama"] == "a" * 200
+    doc = json.loads(openapi_document())
+    rules = doc["components"]["schemas"]["NewProduct"]["properties"]["nama"]
+    assert rules.get("minLength", 0) <= len(nama) <= rules.get("maxLength", len(nama)), rules
+    assert re.search(rules["pattern"], nama), rules
+    assert "Trimmed, then 1-200 characters" in rules["description"]
+
+
 def test_document_is_the_one_in_the_repository() -> None:
     shipped = Path(service.__file__).parent / "openapi.json"
     assert openapi_document() == shipped.read_bytes()
