@@ -16,6 +16,7 @@ from typing import TypeVar
 from urllib.parse import unquote, urlsplit
 
 from service.durations import parse_duration
+from service.validation import ascii_int
 
 T = TypeVar("T")
 
@@ -150,15 +151,24 @@ class _Env:
         try:
             return parse(raw.strip())
         except ValueError as exc:
-            raise ConfigError(f"{name} {exc}, got {raw!r}") from None
+            raise ConfigError(f"{name} {exc}, got {_shown(raw)}") from None
+
+
+def _shown(raw: str) -> str:
+    """``raw`` quoted for a message; a long one cut short, so the line stays readable."""
+    if len(raw) <= 100:
+        return repr(raw)
+    return f"{raw[:40]!r}... ({len(raw)} characters)"
 
 
 def _parse_listen(raw: str) -> tuple[str, int]:
     host, sep, port_text = raw.rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    # ascii_int, not int(): int() raises its own message for "²" or 5000 digits.
+    port = ascii_int(port_text, 1, 65535)
+    if not sep or not host or port is None:
         raise ValueError("must be host:port with a port from 1 to 65535")
-    return host, int(port_text)
+    return host, port
 
 
 def _parse_database(raw: str) -> str:
@@ -239,7 +249,15 @@ def _smtp_from_env(environ: Mapping[str, str]) -> SmtpTarget | None:
     raw = environ.get("TOKO_SMTP_URL", "").strip()
     if not raw:
         return None
-    parts = urlsplit(raw)
+    try:
+        parts = urlsplit(raw)
+    except ValueError:
+        # An unclosed "[" or a bracketed host that is no IP address. Not echoed:
+        # nothing has checked yet that the URL holds no password.
+        raise ConfigError(
+            "TOKO_SMTP_URL must look like smtp://[user@]host[:port], with an IPv6 "
+            "address in brackets like smtp://[::1]:25"
+        ) from None
     try:
         port = parts.port
     except ValueError:
@@ -259,7 +277,7 @@ def _smtp_from_env(environ: Mapping[str, str]) -> SmtpTarget | None:
     ):
         raise ConfigError(
             f"TOKO_SMTP_URL must look like smtp://[user@]host[:port] with a port from 1 "
-            f"to 65535, got {raw!r}"
+            f"to 65535, got {_shown(raw)}"
         )
     use_tls = parts.scheme == "smtps"
     return SmtpTarget(
@@ -316,6 +334,11 @@ def _secret_file(environ: Mapping[str, str], file_variable: str, credential: str
             return path.read_text(encoding="utf-8").strip()
         except OSError as exc:
             raise ConfigError(f"{name}: cannot read {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            # Say where, not what: the bytes are (part of) a secret.
+            raise ConfigError(
+                f"{name}: {path} is not UTF-8 text (byte {exc.start}); save the secret as UTF-8"
+            ) from None
     return None
 
 

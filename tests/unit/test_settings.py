@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from service import cli
 from service.settings import ConfigError, Settings
 
 
@@ -32,6 +33,8 @@ def test_state_directory_holds_the_database_and_backups() -> None:
         ("TOKO_LISTEN", "nonsense"),
         ("TOKO_LISTEN", "127.0.0.1:0"),
         ("TOKO_LISTEN", "127.0.0.1:99999"),
+        ("TOKO_LISTEN", "127.0.0.1:" + "1" * 5000),  # past int()'s 4300 digits
+        ("TOKO_LISTEN", "127.0.0.1:\u00b2"),  # SUPERSCRIPT TWO: a digit to isdigit()
         ("TOKO_WORKERS", "abc"),
         ("TOKO_WORKERS", "0"),
         ("TOKO_JOB_MAX_ATTEMPTS", "-1"),
@@ -58,6 +61,11 @@ def test_state_directory_holds_the_database_and_backups() -> None:
         ("TOKO_SMTP_URL", "smtp://user:secret@mail:99999"),
         ("TOKO_SMTP_URL", "smtp://mail:70000"),
         ("TOKO_SMTP_URL", "smtp://mail host:25"),
+        ("TOKO_SMTP_URL", "smtp://mail:" + "1" * 5000),
+        # urlsplit raises for these, before any check of ours.
+        ("TOKO_SMTP_URL", "smtp://[::1"),
+        ("TOKO_SMTP_URL", "smtp://[zzz]"),
+        ("TOKO_SMTP_URL", "smtp://user:secret@[::1"),
         ("TOKO_BACKUP_KEEP", "0"),
         ("TOKO_FAULT_INJECTION", "maybe"),
     ],
@@ -68,6 +76,7 @@ def test_bad_values_name_the_variable(name: str, value: str) -> None:
     message = str(info.value)
     assert message.startswith(name)
     assert "\n" not in message
+    assert len(message) < 300  # a long value is not echoed whole
     if "secret" in value:
         assert "secret" not in message  # never echo a password
 
@@ -114,6 +123,54 @@ def test_unreadable_password_file_is_a_config_error(tmp_path: Path) -> None:
                 "TOKO_SMTP_PASSWORD_FILE": str(tmp_path / "missing"),
             }
         )
+
+
+@pytest.mark.parametrize(
+    "variable", ["TOKO_API_TOKEN_FILE", "TOKO_SMTP_PASSWORD_FILE", "TOKO_DATABASE_PASSWORD_FILE"]
+)
+def test_a_secret_file_that_is_not_utf8_is_a_config_error(tmp_path: Path, variable: str) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s3cret\xff\n")
+    env = {"TOKO_SMTP_URL": "smtp://toko@127.0.0.1:25", variable: str(secret)}
+    with pytest.raises(ConfigError, match=f"^{variable}: .* is not UTF-8 text"):
+        Settings.from_env(env)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "line"),
+    [
+        (
+            "TOKO_SMTP_URL",
+            "smtp://[::1",
+            "TOKO_SMTP_URL must look like smtp://[user@]host[:port], with an IPv6 address "
+            "in brackets like smtp://[::1]:25",
+        ),
+        (
+            "TOKO_LISTEN",
+            "127.0.0.1:" + "1" * 5000,
+            "TOKO_LISTEN must be host:port with a port from 1 to 65535, "
+            "got '127.0.0.1:111111111111111111111111111111'... (5010 characters)",
+        ),
+        (
+            "TOKO_API_TOKEN_FILE",
+            "token",  # written below, not UTF-8
+            "TOKO_API_TOKEN_FILE: token is not UTF-8 text (byte 0); save the secret as UTF-8",
+        ),
+    ],
+)
+def test_check_config_says_one_line_and_exits_2(
+    name: str,
+    value: str,
+    line: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (tmp_path / "token").write_bytes(b"\xff\xfe")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(name, value)
+    assert cli.main(["--check-config"]) == 2
+    assert capsys.readouterr().err == f"toko-api: {line}\n"
 
 
 def test_watchdog_interval_is_half_of_watchdog_usec() -> None:
