@@ -46,6 +46,8 @@ async def run(
     environ = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "LANG": "C.UTF-8",
+        # PYTHONPATH=<checkout> (a worktree): run that checkout's code, not the installed.
+        **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
         **(env or {}),
     }
     proc = await asyncio.create_subprocess_exec(

@@ -51,6 +51,8 @@ def clean_env(workdir: Path, env: Mapping[str, str]) -> dict[str, str]:
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "LANG": "C.UTF-8",
         "HOME": str(workdir),
+        # PYTHONPATH=<checkout> (a worktree): run that checkout's code, not the installed.
+        **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
         **env,
     }
 

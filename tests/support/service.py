@@ -12,10 +12,11 @@ Usage::
     finally:
         svc.close()                                  # kill -9 if still running
 
-The environment holds only PATH, LANG, HOME and what the test sets: TOKO_LISTEN
-on a free port, TOKO_DATABASE (``database``, default ``<workdir>/toko.db``),
-NOTIFY_SOCKET (a fresh :class:`~tests.support.notify.NotifyListener`), and
-WATCHDOG_USEC when given. A value of ``None`` in ``env`` removes a variable.
+The environment holds only PATH, LANG, HOME, PYTHONPATH if the tests have one,
+and what the test sets: TOKO_LISTEN on a free port, TOKO_DATABASE (``database``,
+default ``<workdir>/toko.db``), NOTIFY_SOCKET (a fresh
+:class:`~tests.support.notify.NotifyListener`), and WATCHDOG_USEC when given.
+A value of ``None`` in ``env`` removes a variable.
 
 Stdout lines are parsed as JSON into :attr:`ServiceProcess.logs` (a line that is
 not JSON is kept as ``{"_raw": line}``); stderr lines go to
@@ -83,6 +84,8 @@ class ServiceProcess:
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "LANG": "C.UTF-8",
             "HOME": str(workdir),
+            # PYTHONPATH=<checkout> (a worktree): run that checkout's code, not the installed.
+            **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
             "TOKO_LISTEN": f"127.0.0.1:{self.port}",
             "TOKO_DATABASE": str(self.database),
         }
