@@ -32,6 +32,15 @@ def parse_period(text: str) -> date:
         raise argparse.ArgumentTypeError(f"not a date like 2026-11-28: {text!r}") from None
 
 
+def require_ended(day: date, today: date) -> None:
+    """Refuse a day that is not over: its recap would lock in partial figures for good."""
+    if day >= today:
+        after = day + timedelta(days=1)
+        raise JobFailed(
+            f"{day} has not ended yet (today is {today} here); recap it from {after} on"
+        )
+
+
 def period_bounds(day: date) -> tuple[float, float]:
     """[start, end) of a calendar day in the host's time zone, as epoch seconds."""
     start = datetime.combine(day, datetime.min.time()).astimezone()
@@ -64,7 +73,9 @@ async def record(settings: Settings, day: date, now: float | None = None) -> int
 
 
 def _main(args: argparse.Namespace, settings: Settings) -> int:
-    day: date = args.period or (datetime.now().astimezone().date() - timedelta(days=1))
+    today = datetime.now().astimezone().date()
+    day: date = args.period or (today - timedelta(days=1))
+    require_ended(day, today)
     if not settings.is_postgres:
         require_database(settings.database)
     try:
@@ -83,6 +94,6 @@ def main() -> int:
         "--period",
         type=parse_period,
         metavar="YYYY-MM-DD",
-        help="the day to recap (default: yesterday, host time zone)",
+        help="the day to recap, once it is over (default: yesterday, host time zone)",
     )
     return run_job("toko-recap", parser, _main)

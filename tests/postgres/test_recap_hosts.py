@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import date
+from datetime import UTC, datetime, time, timedelta
 from pathlib import Path
 
 from service.models import Product
@@ -38,14 +38,17 @@ async def test_three_hosts_one_recap_row_one_email(
     smtp: SmtpServer,
     service_factory: ServiceFactory,
 ) -> None:
-    store = PostgresStore(pg_url, password=pg_cluster.password)
+    # Products made yesterday noon (UTC, the hosts' zone below): a recap is of a day that is over.
+    yesterday = datetime.now(UTC).date() - timedelta(days=1)
+    noon = datetime.combine(yesterday, time(12), UTC).timestamp()
+    store = PostgresStore(pg_url, password=pg_cluster.password, clock=lambda: noon)
     await store.open()
     try:
         await asyncio.gather(*(store.create_product(f"p{i}", i, _job) for i in range(PRODUCTS)))
     finally:
         await store.close()
-    period = date.today().isoformat()  # the seeded products are today's
-    env = pg_env(pg_cluster, pg_url)
+    period = yesterday.isoformat()
+    env = pg_env(pg_cluster, pg_url, TZ="UTC")
     command = tool_command("toko-recap", "--period", period)
     procs = [
         await asyncio.create_subprocess_exec(
