@@ -1,9 +1,13 @@
 """``toko-recap``: record a period's product figures once and email them.
 
-Started daily by toko-recap.timer. The recap row is keyed by period, so a
-second run for the same period (a re-run, a catch-up, another host) changes
-nothing and says so. Each run then prunes done jobs older than
-TOKO_JOB_RETENTION (jobs.retention), so the daily timer bounds the database.
+Started daily by toko-recap.timer. Without --period a run recaps every day
+since the last recorded one up to yesterday (at most CATCH_UP_DAYS): the
+timer's Persistent=true starts one run however many days the host was off,
+and a run whose random delay pushes it past midnight must not skip a day.
+The recap row is keyed by period, so a second run for the same period (a
+re-run, a catch-up, another host) changes nothing and says so. Each run then
+prunes done jobs older than TOKO_JOB_RETENTION (jobs.retention), so the daily
+timer bounds the database.
 """
 
 from __future__ import annotations
@@ -19,10 +23,14 @@ from jobs.retention import prune_done_jobs
 from service.settings import Settings
 from service.store import open_store
 from service.store.admin import QueueAdmin
-from service.store.base import StoreError
+from service.store.base import Store, StoreError
 from service.tasks import recap_email_job
 
 log = logging.getLogger("toko.recap")
+# How far back a late run catches up, one recap email per day. A week covers
+# a host off over a long holiday without a month of emails arriving at once;
+# an older day can still be recorded by hand with --period.
+CATCH_UP_DAYS = 7
 
 
 def parse_period(text: str) -> date:
@@ -48,38 +56,82 @@ def period_bounds(day: date) -> tuple[float, float]:
     return start.timestamp(), end.timestamp()
 
 
-async def record(settings: Settings, day: date, now: float | None = None) -> int | None:
-    """Record ``day``'s recap once, then prune done jobs older than the retention."""
+def days_to_recap(last: date | None, today: date) -> list[date]:
+    """The days a run on ``today`` recaps, oldest first, given the ``last`` one recorded.
+
+    Every day after ``last`` up to yesterday, at most CATCH_UP_DAYS of them;
+    always yesterday (if it is recorded already, the run says so). Nothing recorded
+    yet: yesterday only, not the days before toko was installed.
+    """
+    yesterday = today - timedelta(days=1)
+    if last is None:
+        return [yesterday]
+    first = min(max(last + timedelta(days=1), today - timedelta(days=CATCH_UP_DAYS)), yesterday)
+    return [first + timedelta(days=n) for n in range((yesterday - first).days + 1)]
+
+
+async def _days_due(store: Store, today: date) -> list[date]:
+    # Before today: a row for today or later (a host whose clock ran ahead)
+    # must not hide the days in between.
+    last = await store.last_recap_before(today.isoformat())
+    last_day = None if last is None else date.fromisoformat(last)
+    days = days_to_recap(last_day, today)
+    if last_day is not None and days[0] > last_day + timedelta(days=1):
+        skipped = (last_day + timedelta(days=1), days[0] - timedelta(days=1))
+        log.warning(
+            "no recap for %s to %s: more than %d days ago, too late to catch up;"
+            " toko-recap --period DAY records one",
+            *skipped,
+            CATCH_UP_DAYS,
+            extra={"PERIOD_FIRST": skipped[0].isoformat(), "PERIOD_LAST": skipped[1].isoformat()},
+        )
+    return days
+
+
+async def _record_day(store: Store, settings: Settings, day: date) -> int | None:
     start, end = period_bounds(day)
+    total, new = await store.product_counts(start, end)
+    job = recap_email_job(day.isoformat(), total, new, settings.job_max_attempts)
+    job_id = await store.record_recap(day.isoformat(), total, new, job)
+    fields = {"PERIOD": day.isoformat(), "PRODUCTS_TOTAL": total, "PRODUCTS_NEW": new}
+    if job_id is None:
+        log.info("recap already recorded for this period; nothing to do", extra=fields)
+    else:
+        log.info("recap recorded", extra={**fields, "JOB_ID": job_id})
+    return job_id
+
+
+async def record(
+    settings: Settings, period: date | None, today: date, now: float | None = None
+) -> dict[date, int | None]:
+    """Record ``period``'s recap, or else each day due (days_to_recap), once each.
+
+    Then prune done jobs older than the retention. Returns each day's email
+    job id, None where the day was recorded already.
+    """
     store = open_store(settings, application_name="toko-recap")
     await store.open()
     try:
-        total, new = await store.product_counts(start, end)
-        job = recap_email_job(day.isoformat(), total, new, settings.job_max_attempts)
-        job_id = await store.record_recap(day.isoformat(), total, new, job)
-        fields = {"PERIOD": day.isoformat(), "PRODUCTS_TOTAL": total, "PRODUCTS_NEW": new}
-        if job_id is None:
-            log.info("recap already recorded for this period; nothing to do", extra=fields)
-        else:
-            log.info("recap recorded", extra={**fields, "JOB_ID": job_id})
-        # After the recap, so a pruning problem never costs the period its recap.
+        days = [period] if period else await _days_due(store, today)
+        recorded = {day: await _record_day(store, settings, day) for day in days}
+        # After the recaps, so a pruning problem never costs a period its recap.
         if isinstance(store, QueueAdmin):
             await prune_done_jobs(store, settings.job_retention, now or time.time())
         else:
             log.warning("this store cannot prune done jobs; TOKO_JOB_RETENTION is ignored")
     finally:
         await store.close()
-    return job_id
+    return recorded
 
 
 def _main(args: argparse.Namespace, settings: Settings) -> int:
     today = datetime.now().astimezone().date()
-    day: date = args.period or (today - timedelta(days=1))
-    require_ended(day, today)
+    if args.period:
+        require_ended(args.period, today)
     if not settings.is_postgres:
         require_database(settings.database)
     try:
-        asyncio.run(record(settings, day))
+        asyncio.run(record(settings, args.period, today))
     except StoreError as exc:
         raise JobFailed(str(exc)) from exc
     return 0
@@ -88,12 +140,16 @@ def _main(args: argparse.Namespace, settings: Settings) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(
         prog="toko-recap",
-        description="Record the product recap for one day and queue its email to the admin.",
+        description=(
+            "Record the product recap for each day not yet recorded (at most the last"
+            f" {CATCH_UP_DAYS}; the first run: yesterday) and queue its email to the admin."
+        ),
     )
     parser.add_argument(
         "--period",
         type=parse_period,
         metavar="YYYY-MM-DD",
-        help="the day to recap, once it is over (default: yesterday, host time zone)",
+        help="the one day to recap, once it is over (default: the days since the last"
+        " recorded one up to yesterday, host time zone)",
     )
     return run_job("toko-recap", parser, _main)

@@ -190,3 +190,6 @@ class Store(Protocol):
 
         Must hold across processes and hosts: two runs for one period record one row.
         """
+
+    async def last_recap_before(self, period: str) -> str | None:
+        """The latest recorded period earlier than ``period`` (ISO dates sort as text)."""

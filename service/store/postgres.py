@@ -864,6 +864,14 @@ class PostgresStore:
 
         return await self._db(run, write=True)
 
+    async def last_recap_before(self, period: str) -> str | None:
+        """The latest recorded period earlier than ``period`` (ISO dates sort as text)."""
+        row = await self._fetchrow(
+            "SELECT max(period) FROM recaps WHERE period < $1", period, retry=True
+        )
+        assert row is not None
+        return None if row[0] is None else str(row[0])
+
     # queue administration (QueueAdmin: toko-queue, retention) -----------------------
     async def queue_stats(self) -> QueueStats:
         figures = dict.fromkeys(JOB_STATES, 0)

@@ -371,6 +371,17 @@ class SqliteStore:
             _record_recap, (period, products_total, products_new, job, self._clock())
         )
 
+    async def last_recap_before(self, period: str) -> str | None:
+        """The latest recorded period earlier than ``period`` (ISO dates sort as text)."""
+
+        def read(conn: sqlite3.Connection) -> str | None:
+            (last,) = conn.execute(
+                "SELECT max(period) FROM recaps WHERE period < ?", (period,)
+            ).fetchone()
+            return str(last) if last is not None else None
+
+        return await self._read(read)
+
     # queue administration (QueueAdmin) ---------------------------------------------
     async def queue_stats(self) -> QueueStats:
         def read(conn: sqlite3.Connection) -> QueueStats:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 from service.store.sqlite import SqliteStore
@@ -21,16 +21,25 @@ async def test_recap_refuses_a_database_that_does_not_exist(tmp_path: Path) -> N
     assert not database.parent.exists()
 
 
-async def test_recap_refuses_a_day_that_has_not_ended(tmp_path: Path) -> None:
-    database = tmp_path / "toko.db"
-    store = SqliteStore(str(database))
+async def new_database(path: Path) -> None:
+    store = SqliteStore(str(path))
     await store.open()
     await store.close()
+
+
+async def utc_today() -> date:
+    """Today (UTC, the zone the runs get), far enough from midnight for a test's runs."""
     now = datetime.now(UTC)
     to_midnight = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), UTC) - now
-    if to_midnight < timedelta(seconds=10):  # "today" must stay today while the run starts
+    if to_midnight < timedelta(seconds=20):
         await asyncio.sleep(to_midnight.total_seconds() + 0.5)
-    today = datetime.now(UTC).date()
+    return datetime.now(UTC).date()
+
+
+async def test_recap_refuses_a_day_that_has_not_ended(tmp_path: Path) -> None:
+    database = tmp_path / "toko.db"
+    await new_database(database)
+    today = await utc_today()
     env = {"TOKO_DATABASE": str(database), "TZ": "UTC"}
     for day in (today, today + timedelta(days=1)):
         result = await run("toko-recap", "--period", day.isoformat(), env=env)
@@ -42,3 +51,23 @@ async def test_recap_refuses_a_day_that_has_not_ended(tmp_path: Path) -> None:
         ), line
     # Partial figures recorded now would make the real run say "already recorded".
     assert db.query(database, "SELECT * FROM recaps") == []
+
+
+async def test_recap_catches_up_the_days_since_the_last_one_recorded(tmp_path: Path) -> None:
+    database = tmp_path / "toko.db"
+    await new_database(database)
+    today = await utc_today()
+    env = {"TOKO_DATABASE": str(database), "TZ": "UTC"}
+    days = [(today - timedelta(days=n)).isoformat() for n in (4, 3, 2, 1)]
+    assert (await run("toko-recap", "--period", days[0], env=env)).returncode == 0
+    # The host was off for three days: the timer's one catch-up run.
+    result = await run("toko-recap", env=env)
+    assert result.returncode == 0, result
+    said = [(r["message"], r.get("PERIOD")) for r in result.log_records() if "PERIOD" in r]
+    assert said == [("recap recorded", day) for day in days[1:]], said
+    recaps = db.query(database, "SELECT period FROM recaps ORDER BY period")
+    assert [row["period"] for row in recaps] == days
+    # The next run has nothing left to do.
+    result = await run("toko-recap", env=env)
+    said = [(r["message"], r.get("PERIOD")) for r in result.log_records() if "PERIOD" in r]
+    assert said == [("recap already recorded for this period; nothing to do", days[-1])], said

@@ -504,6 +504,16 @@ async def test_recap_is_recorded_once_per_period(store: Store, backend: Backend)
     assert await backend.rows("SELECT count(*) FROM jobs WHERE kind = 'recap_email'") == [(1,)]
 
 
+async def test_last_recap_before_a_day(store: Store) -> None:
+    assert await store.last_recap_before("2026-11-30") is None
+    for period in ("2026-11-27", "2026-11-26", "2026-11-30", "2026-12-05"):
+        await store.record_recap(period, 0, 0, NewJob("recap_email", {}, 3))
+    # Rows for that day or later (a clock that ran ahead) do not count.
+    assert await store.last_recap_before("2026-11-30") == "2026-11-27"
+    assert await store.last_recap_before("2026-11-27") == "2026-11-26"
+    assert await store.last_recap_before("2026-11-26") is None
+
+
 async def test_closed_store_raises_store_error(backend: Backend) -> None:
     s = backend.make_store()
     await s.open()

@@ -4,7 +4,7 @@ import asyncio
 import sqlite3
 import stat
 import threading
-from datetime import date
+from datetime import date, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,7 @@ from service.settings import Settings
 from service.store.lock import InstanceLock, is_locked
 from service.store.sqlite import SqliteStore
 from service.tasks import product_email_job
+from tests.unit.conftest import FakeClock
 
 
 async def seed(path: str, count: int) -> None:
@@ -44,12 +45,67 @@ async def test_recap_counts_the_period_and_runs_once(tmp_path: Path) -> None:
     await seed(db, 3)
     settings = Settings(database=db)
     today = date.today()
-    assert await recap.record(settings, today) is not None
-    assert await recap.record(settings, today) is None
+    tomorrow = today + timedelta(days=1)
+    assert (await recap.record(settings, today, tomorrow))[today] is not None
+    assert await recap.record(settings, today, tomorrow) == {today: None}
     conn = sqlite3.connect(db)
     assert conn.execute("SELECT products_total, products_new FROM recaps").fetchall() == [(3, 3)]
     assert conn.execute("SELECT count(*) FROM jobs WHERE kind='recap_email'").fetchone() == (1,)
     conn.close()
+
+
+async def test_late_runs_recap_every_day_they_missed(tmp_path: Path, clock: FakeClock) -> None:
+    # Products on 11-26, 11-27 and 11-28 (noon, host time zone); the timer's
+    # runs at 11-27 00:14, then (host off, Persistent=true catching up once)
+    # 11-29 09:02, then 11-30 00:12. Each run's date is all that matters.
+    db = str(tmp_path / "toko.db")
+    store = SqliteStore(db, clock=clock)
+    await store.open()
+    try:
+        for day in (26, 27, 28):
+            clock.now = datetime(2026, 11, day, 12).astimezone().timestamp()
+            await store.create_product(f"p{day}", day, _job)
+    finally:
+        await store.close()
+    settings = Settings(database=db)
+    runs = {}
+    for today in (date(2026, 11, 27), date(2026, 11, 29), date(2026, 11, 30)):
+        runs[today.day] = [day.day for day in await recap.record(settings, None, today)]
+    assert runs == {27: [26], 29: [27, 28], 30: [29]}
+    conn = sqlite3.connect(db)
+    rows = conn.execute("SELECT period, products_total, products_new FROM recaps ORDER BY 1")
+    assert rows.fetchall() == [
+        ("2026-11-26", 1, 1),
+        ("2026-11-27", 2, 1),
+        ("2026-11-28", 3, 1),
+        ("2026-11-29", 3, 0),
+    ]
+    assert conn.execute("SELECT count(*) FROM jobs WHERE kind='recap_email'").fetchone() == (4,)
+    conn.close()
+
+
+def test_days_to_recap_start_after_the_last_recorded_day_within_the_cap() -> None:
+    today = date(2026, 11, 30)
+    days = recap.days_to_recap
+    assert days(None, today) == [date(2026, 11, 29)]  # the first run ever: yesterday only
+    assert days(date(2026, 11, 29), today) == [date(2026, 11, 29)]  # "already recorded"
+    assert days(date(2026, 11, 27), today) == [date(2026, 11, 28), date(2026, 11, 29)]
+    week = [date(2026, 11, 23) + timedelta(days=n) for n in range(recap.CATCH_UP_DAYS)]
+    assert days(date(2026, 10, 1), today) == week
+    assert days(date(2026, 12, 5), today) == [date(2026, 11, 29)]  # a clock that ran ahead
+
+
+async def test_a_run_too_late_to_catch_up_says_which_days_it_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    db = str(tmp_path / "toko.db")
+    await seed(db, 0)
+    settings = Settings(database=db)
+    await recap.record(settings, date(2026, 10, 1), date(2026, 10, 2))
+    recorded = await recap.record(settings, None, date(2026, 11, 30))
+    assert list(recorded) == [date(2026, 11, 23) + timedelta(days=n) for n in range(7)]
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "no recap for 2026-10-02 to 2026-11-22" in warning.getMessage()
 
 
 def test_period_bounds_cover_one_local_day() -> None:
