@@ -52,14 +52,20 @@ def check_integrity(path: Path) -> None:
         raise JobFailed(f"{path} failed the integrity check: {rows[:3]}")
 
 
-def publish_backup(folder: Path, keep: int, suffix: str, write: Callable[[Path], None]) -> Path:
+def publish_backup(
+    folder: Path,
+    keep: int,
+    suffix: str,
+    write: Callable[[Path], None],
+    clock: Callable[[], float] = time.time,
+) -> Path:
     """Write a backup atomically and prune old ones; both backends use it.
 
     ``write(tmp)`` fills and verifies a temporary file in ``folder``; it is then
     fsynced, renamed into place and the folder fsynced, so a crash leaves
     either the whole backup or none.
     """
-    stamp = time.time()
+    stamp = clock()
     final = folder / backup_name(stamp, suffix)
     while final.exists():  # a second backup within the same second must not replace the first
         stamp += 1
@@ -74,7 +80,7 @@ def publish_backup(folder: Path, keep: int, suffix: str, write: Callable[[Path],
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    pruned = prune(folder, keep, suffix)
+    pruned = prune(folder, keep, suffix, newest=final)
     log.info(
         "backup written",
         extra={"PATH": str(final), "BYTES": final.stat().st_size, "PRUNED": len(pruned)},
@@ -82,7 +88,9 @@ def publish_backup(folder: Path, keep: int, suffix: str, write: Callable[[Path],
     return final
 
 
-def make_backup(database: str, folder: Path, keep: int) -> Path:
+def make_backup(
+    database: str, folder: Path, keep: int, clock: Callable[[], float] = time.time
+) -> Path:
     require_database(database)
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
 
@@ -100,11 +108,19 @@ def make_backup(database: str, folder: Path, keep: int) -> Path:
             source.close()
         check_integrity(tmp)
 
-    return publish_backup(folder, keep, SUFFIX, write)
+    return publish_backup(folder, keep, SUFFIX, write, clock)
 
 
-def prune(folder: Path, keep: int, suffix: str = SUFFIX) -> list[Path]:
-    old = list_backups(folder, suffix)[:-keep]
+def prune(folder: Path, keep: int, suffix: str = SUFFIX, newest: Path | None = None) -> list[Path]:
+    """Delete all but the last ``keep`` backups in name (time) order.
+
+    ``newest``, the backup just written, is kept and counts as one of them
+    whatever its name: a clock behind (a board without a battery-backed clock
+    before NTP) names it older than the rest, and it holds the latest data.
+    """
+    others = [path for path in list_backups(folder, suffix) if path != newest]
+    room = keep - (newest is not None)
+    old = others[: max(len(others) - room, 0)]
     for path in old:
         path.unlink()
     return old

@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
@@ -109,12 +110,14 @@ def _dump(settings: Settings, target: Path) -> None:
     )
 
 
-def make_backup(settings: Settings, folder: Path, keep: int) -> Path:
+def make_backup(
+    settings: Settings, folder: Path, keep: int, clock: Callable[[], float] = time.time
+) -> Path:
     def write(tmp: Path) -> None:
         _dump(settings, tmp)
         check_archive(settings, tmp)
 
-    return publish_backup(folder, keep, SUFFIX, write)
+    return publish_backup(folder, keep, SUFFIX, write, clock)
 
 
 async def _connected_apis(conn: asyncpg.Connection) -> list[str]:

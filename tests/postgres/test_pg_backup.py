@@ -226,6 +226,9 @@ async def test_backups_are_pruned_and_verified(
     assert pg_backup.list_backups(folder, pg_backup.SUFFIX) == made[1:]
     for path in made[1:]:
         await asyncio.to_thread(pg_backup.check_archive, settings, path)
+    # A clock behind (2000-01-01) names the new backup oldest: it is kept all the same.
+    late = await asyncio.to_thread(pg_backup.make_backup, settings, folder, 2, lambda: 946684800.0)
+    assert pg_backup.list_backups(folder, pg_backup.SUFFIX) == [late, made[2]]
 
     bad = tmp_path / "bad.dump"
     bad.write_bytes(b"PGDMP but not really" * 100)

@@ -187,3 +187,21 @@ async def test_backups_in_the_same_second_do_not_replace_each_other(tmp_path: Pa
     made = [backup.make_backup(db, folder, keep=5) for _ in range(3)]
     assert len(set(made)) == 3
     assert backup.list_backups(folder) == made  # later backups sort later
+
+
+async def test_prune_keeps_the_backup_just_written_when_the_clock_is_behind(
+    tmp_path: Path,
+) -> None:
+    db = str(tmp_path / "toko.db")
+    await seed(db, 2)
+    folder = tmp_path / "backups"
+    good = []
+    for day in (1, 2, 3):
+        path = backup.make_backup(db, folder, keep=3)
+        good.append(path.rename(path.with_name(f"toko-2026110{day}T023000Z.db")))
+    # A board without a battery-backed clock, before NTP: it is 2000-01-01.
+    made = backup.make_backup(db, folder, keep=3, clock=lambda: 946684800.0)
+    assert made.name == "toko-20000101T000000Z.db"
+    # The new backup sorts oldest by name, yet it is the one with the latest data.
+    assert backup.list_backups(folder) == [made, *good[1:]]
+    backup.check_integrity(made)
