@@ -128,6 +128,8 @@ async def _a_shop_with_backups(tmp_path: Path) -> dict[str, str]:
     return {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "LANG": "C.UTF-8",
+        # PYTHONPATH=<checkout> (a worktree): run that checkout's code, not the installed.
+        **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
         "TOKO_DATABASE": str(tmp_path / "toko.db"),
         "TOKO_BACKUP_DIR": str(tmp_path / "backups"),
     }
