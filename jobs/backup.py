@@ -4,21 +4,26 @@ Started nightly by toko-backup.timer while toko-api keeps writing: SQLite's
 backup API copies a consistent snapshot (WAL lets the writer carry on), the
 copy is checked with ``PRAGMA integrity_check``, then published atomically
 (temporary file, fsync, rename, fsync of the folder) with mode 0600. Only
-the newest TOKO_BACKUP_KEEP backups are kept.
+the newest TOKO_BACKUP_KEEP backups are kept. One run at a time writes to a
+folder; a run stopped by SIGTERM deletes its temporary file, and each run
+first deletes those that killed runs left.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import logging
 import os
+import re
 import shutil
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from jobs.common import JobFailed, require_database, run_job
+from jobs.common import JobFailed, require_database, run_job, stop_on_sigterm
 from service.settings import Settings
 from service.store.disk import fsync_dir, fsync_file
 from service.store.lock import InstanceLock, InstanceLocked
@@ -27,6 +32,8 @@ from service.store.sqlite import connect
 log = logging.getLogger("toko.backup")
 PREFIX = "toko-"
 SUFFIX = ".db"
+# Held while a backup is written; hidden, and never named like a backup.
+LOCK_NAME = ".toko-backup.lock"
 
 
 def backup_name(now: float, suffix: str = SUFFIX) -> str:
@@ -52,6 +59,47 @@ def check_integrity(path: Path) -> None:
         raise JobFailed(f"{path} failed the integrity check: {rows[:3]}")
 
 
+@contextlib.contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    """One backup at a time per folder (a manual run during the timer's waits).
+
+    Only so can a run delete the partial copies it finds: none is being written.
+    """
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another toko-backup is writing to this folder; waiting for it to finish")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _journal(tmp: Path) -> Path:
+    return tmp.with_name(tmp.name + "-journal")  # SQLite's, while it writes the copy
+
+
+def remove_partials(folder: Path, suffix: str) -> list[Path]:
+    """Delete the temporary copies of runs that were killed (SIGKILL, power cut).
+
+    They are full-size, hidden from --list and pruning, and each run picks a
+    new name: left alone, they fill the disk the database is on. Only toko's
+    own temporary names; the caller holds the folder lock, so no live run's.
+    """
+    name = re.escape(PREFIX) + r"\d{8}T\d{6}Z" + re.escape(suffix)  # as backup_name()
+    pattern = re.compile(rf"\.{name}\.partial(-journal)?")
+    removed = [path for path in folder.iterdir() if pattern.fullmatch(path.name)]
+    for path in removed:
+        log.warning(
+            "removed the partial copy of a backup that did not finish",
+            extra={"PATH": str(path), "BYTES": path.stat().st_size},
+        )
+        path.unlink()
+    return removed
+
+
 def publish_backup(
     folder: Path,
     keep: int,
@@ -65,22 +113,25 @@ def publish_backup(
     fsynced, renamed into place and the folder fsynced, so a crash leaves
     either the whole backup or none.
     """
-    stamp = clock()
-    final = folder / backup_name(stamp, suffix)
-    while final.exists():  # a second backup within the same second must not replace the first
-        stamp += 1
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with _folder_lock(folder):
+        remove_partials(folder, suffix)
+        stamp = clock()
         final = folder / backup_name(stamp, suffix)
-    tmp = folder / f".{final.name}.partial"
-    tmp.unlink(missing_ok=True)
-    try:
-        write(tmp)
-        fsync_file(tmp)
-        tmp.rename(final)
-        fsync_dir(folder)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    pruned = prune(folder, keep, suffix, newest=final)
+        while final.exists():  # a second backup within the same second must not replace it
+            stamp += 1
+            final = folder / backup_name(stamp, suffix)
+        tmp = folder / f".{final.name}.partial"
+        try:
+            write(tmp)
+            fsync_file(tmp)
+            tmp.rename(final)
+            fsync_dir(folder)
+        except BaseException:  # Stopped (SIGTERM) included: see jobs.common.stop_on_sigterm
+            for path in (tmp, _journal(tmp)):
+                path.unlink(missing_ok=True)
+            raise
+        pruned = prune(folder, keep, suffix, newest=final)
     log.info(
         "backup written",
         extra={"PATH": str(final), "BYTES": final.stat().st_size, "PRUNED": len(pruned)},
@@ -92,7 +143,6 @@ def make_backup(
     database: str, folder: Path, keep: int, clock: Callable[[], float] = time.time
 ) -> Path:
     require_database(database)
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def write(tmp: Path) -> None:
         # Create it 0600 before SQLite writes a byte: backups hold all the shop's data.
@@ -166,6 +216,7 @@ def restore(database: str, source: Path) -> Path | None:
 
 
 def _main(args: argparse.Namespace, settings: Settings) -> int:
+    stop_on_sigterm()
     if settings.is_postgres:
         from jobs import pg_backup  # imports this module: import it only when needed
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 from service import __version__
 from service.logs import setup_logging
@@ -16,6 +18,30 @@ from service.settings import ConfigError, Settings
 
 class JobFailed(Exception):
     """A timer job could not do its work; the message is the one line printed."""
+
+
+class Stopped(BaseException):
+    """SIGTERM arrived (systemctl stop, the unit's TimeoutStartSec=, a shutdown).
+
+    A BaseException, like KeyboardInterrupt: it passes ``except Exception``
+    and runs the cleanups (``finally``, ``except BaseException``) on its way out.
+    """
+
+
+def stop_on_sigterm() -> None:
+    """From now on SIGTERM raises Stopped in the main thread, so cleanups run.
+
+    SIGTERM's default action ends the process on the spot: a backup stopped
+    that way left its partial copy behind. Python runs the handler between
+    bytecodes, so a long C call (SQLite's backup step) finishes first.
+    """
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        # A second SIGTERM must not cut the cleanup short (SIGKILL still ends it).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Stopped
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def require_database(database: str) -> None:
@@ -48,3 +74,8 @@ def run_job(
         logging.getLogger(f"toko.{name}").error("%s failed: %s", name, exc)
         print(f"{name}: {exc}", file=sys.stderr)
         return 1
+    except Stopped:
+        # Non-zero, so systemd counts the run as failed (and OnFailure= alerts).
+        logging.getLogger(f"toko.{name}").error("%s stopped by SIGTERM before it finished", name)
+        print(f"{name}: stopped by SIGTERM before it finished", file=sys.stderr)
+        return 128 + signal.SIGTERM

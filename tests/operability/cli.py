@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 BIN = Path(sys.executable).parent
 
@@ -36,6 +41,17 @@ class Completed:
         return records
 
 
+def environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A clean environment plus ``env``, as the commands get it."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "LANG": "C.UTF-8",
+        # PYTHONPATH=<checkout> (a worktree): run that checkout's code, not the installed.
+        **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
+        **(env or {}),
+    }
+
+
 async def run(
     command: str,
     *args: str,
@@ -43,17 +59,10 @@ async def run(
     timeout: float = 30.0,  # noqa: ASYNC109
 ) -> Completed:
     """``command args...`` with a clean environment plus ``env``; waits for the exit."""
-    environ = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "LANG": "C.UTF-8",
-        # PYTHONPATH=<checkout> (a worktree): run that checkout's code, not the installed.
-        **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
-        **(env or {}),
-    }
     proc = await asyncio.create_subprocess_exec(
         str(BIN / command),
         *args,
-        env=environ,
+        env=environment(env),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -62,3 +71,23 @@ async def run(
         out, err = await proc.communicate()
     assert proc.returncode is not None
     return Completed((command, *args), proc.returncode, out.decode(), err.decode())
+
+
+def partials(folder: Path) -> list[str]:
+    """toko-backup's partial copies in ``folder`` (hidden while they are written)."""
+    return sorted(path.name for path in folder.glob(".toko-*.partial*"))
+
+
+def freeze_mid_copy(proc: subprocess.Popen[str], folder: Path) -> list[str]:
+    """SIGSTOP ``proc`` while its partial copy exists; the names of its partial files."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and proc.poll() is None:
+        if partials(folder):
+            proc.send_signal(signal.SIGSTOP)
+            # Frozen now: a partial copy still there means the run is before its rename.
+            if found := partials(folder):
+                return found
+            proc.send_signal(signal.SIGCONT)
+            pytest.fail("the copy was published before the run could be frozen")
+        time.sleep(0.002)
+    pytest.fail(f"no partial copy appeared (exit code {proc.poll()})")

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import stat
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from service.settings import Settings
 from service.store.postgres import PostgresStore
 from service.tasks import product_email_job
 from tests.conftest import ServiceFactory
+from tests.operability.cli import freeze_mid_copy, partials
 from tests.postgres.conftest import clean_env, pg_env, run_tool, tool_command
 from tests.support.api import create_product, wait_healthy
 from tests.support.postgres import PostgresCluster, fetch
@@ -253,4 +256,48 @@ async def test_a_wrong_password_fails_with_one_clear_line(
     assert "pg_dump failed" in result.stderr and "password authentication failed" in result.stderr
     assert "not-the-password" not in result.stderr + result.stdout
     with contextlib.suppress(FileNotFoundError):
-        assert not list((tmp_path / "b").iterdir())
+        # No dump, partial or not; only the (empty) lock file of the runs.
+        assert [path.name for path in (tmp_path / "b").iterdir()] == [backup.LOCK_NAME]
+
+
+def _stopped_run(sig: signal.Signals, workdir: Path, env: dict[str, str], folder: Path) -> int:
+    """toko-backup sent ``sig`` mid-dump (while its partial dump exists); its exit code."""
+    proc = subprocess.Popen(
+        tool_command("toko-backup"),
+        env=clean_env(workdir, env),
+        cwd=workdir,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        freeze_mid_copy(proc, folder)
+        proc.send_signal(sig)
+        proc.send_signal(signal.SIGCONT)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode
+
+
+async def test_a_stopped_backup_leaves_no_partial_dump_behind(
+    tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    await _seed(pg_cluster, pg_url, 5)
+    folder = tmp_path / "backups"
+    env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(folder))
+    # systemd's stop: the run removes its partial dump and fails.
+    code = await asyncio.to_thread(_stopped_run, signal.SIGTERM, tmp_path, env, folder)
+    assert code == 128 + signal.SIGTERM
+    assert partials(folder) == []
+    # systemd's last resort: nothing runs after SIGKILL, the next run cleans up.
+    code = await asyncio.to_thread(_stopped_run, signal.SIGKILL, tmp_path, env, folder)
+    assert code == -signal.SIGKILL and partials(folder)
+    assert backup.list_backups(folder, pg_backup.SUFFIX) == []
+    result = run_tool("toko-backup", tmp_path, env)
+    assert result.returncode == 0, result
+    assert partials(folder) == []
+    assert len(backup.list_backups(folder, pg_backup.SUFFIX)) == 1
