@@ -24,6 +24,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 
@@ -62,12 +63,15 @@ def _tool_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def _run(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(
+    settings: Settings, *args: str, stdout: IO[bytes] | None = None
+) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
         args,
         env=_tool_env(settings),
         stdin=subprocess.DEVNULL,
-        capture_output=True,
+        stdout=stdout or subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         timeout=TOOL_TIMEOUT,
         check=False,
@@ -98,16 +102,18 @@ def check_archive(settings: Settings, path: Path) -> None:
 def _dump(settings: Settings, target: Path) -> None:
     """pg_dump the database into a new file ``target`` (created 0600 first)."""
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    # 0600 before pg_dump writes a byte (it truncates, keeping the mode).
-    os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    _run(
-        settings,
-        pg_tool("pg_dump"),
-        "--format=custom",
-        "--no-password",
-        f"--file={target}",
-        f"--dbname={settings.database}",
-    )
+    # 0600 before pg_dump writes a byte. It writes to our descriptor, not by
+    # name (--file): a pg_dump outliving a stopped run (one signalled while
+    # it was being started) cannot create the file again once it is removed.
+    with open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
+        _run(
+            settings,
+            pg_tool("pg_dump"),
+            "--format=custom",
+            "--no-password",
+            f"--dbname={settings.database}",
+            stdout=out,
+        )
 
 
 def make_backup(
