@@ -4,9 +4,10 @@
 # Installs the build packages it needs, the system user toko, a virtualenv in
 # /opt/toko/venv with this checkout, the units, /etc/toko/toko.env and the API
 # token /etc/toko/api-token (both only when missing, or the token when empty;
-# synced to disk), and enables and starts toko-api.socket, toko-api.service and
-# both timers. Running it again upgrades in place and keeps the data in
-# /var/lib/toko.
+# synced to disk), and on the first install enables and starts toko-api.socket,
+# toko-api.service and both timers. Running it again upgrades in place, keeps
+# the data in /var/lib/toko and each unit enabled, disabled or masked as the
+# admin left it.
 set -eu
 
 PREFIX=/opt/toko
@@ -18,6 +19,9 @@ USER_NAME=toko
 # Python headers) and the venv module; the same list as the Makefile's APT_BUILD.
 APT_PACKAGES="python3-venv python3-dev libsystemd-dev pkg-config gcc"
 UNITS="toko-api.socket toko-api.service toko-recap.service toko-recap.timer toko-backup.service toko-backup.timer toko-alert@.service"
+ENABLED="toko-api.socket toko-api.service toko-recap.timer toko-backup.timer"
+# Present from the first install until its units are enabled (see below).
+ENABLE_PENDING=$PREFIX/enable-units
 
 say() { echo "toko install: $*"; }
 die() {
@@ -81,6 +85,15 @@ for cmd in toko-api toko-recap toko-backup toko-alert; do
 done
 
 install -d -m 0755 "$UNIT_DIR"
+# Only the first install enables the units; an upgrade leaves each one as the
+# admin set it (the multi-host setup disables toko-backup.timer on all hosts
+# but one, and enabling a masked unit fails). No units here yet means a first
+# install, or one after an uninstall. It leaves a note, removed once the units
+# are enabled, so that a first install stopped before that (or run without
+# systemd) still enables them the next time, not taken for an upgrade.
+if [ ! -e "$UNIT_DIR/toko-api.service" ]; then
+    : >"$ENABLE_PENDING"
+fi
 changed=""
 for unit in $UNITS; do
     if ! cmp -s "$SRC/deploy/systemd/$unit" "$UNIT_DIR/$unit"; then
@@ -119,11 +132,18 @@ else
 fi
 
 if [ ! -d /run/systemd/system ]; then
-    say "systemd is not running here: units installed but not started"
+    say "systemd is not running here: units installed; run this again under systemd to enable and start them"
     exit 0
 fi
 systemctl daemon-reload
-systemctl enable --quiet toko-api.socket toko-api.service toko-recap.timer toko-backup.timer
+first=""
+if [ -e "$ENABLE_PENDING" ]; then
+    say "enabling $ENABLED"
+    # shellcheck disable=SC2086 # one word a unit
+    systemctl enable --quiet $ENABLED
+    rm -f "$ENABLE_PENDING"
+    first=yes
+fi
 # A changed socket must be re-created to listen elsewhere; that alone drops the
 # connections waiting in its queue, so leave an unchanged one alone.
 case "$changed" in *toko-api.socket*)
@@ -143,8 +163,13 @@ else
     say "starting toko-api.service"
     systemctl start toko-api.service
 fi
-# Restarting a timer recomputes its next run from a changed schedule.
-systemctl restart toko-recap.timer toko-backup.timer
+# Restarting a timer recomputes its next run from a changed schedule. On an
+# upgrade only a running one: a timer the admin stopped stays stopped.
+if [ -n "$first" ]; then
+    systemctl restart toko-recap.timer toko-backup.timer
+else
+    systemctl try-restart toko-recap.timer toko-backup.timer
+fi
 
 say "done. toko-api listens on: $(systemctl show -P Listen toko-api.socket)"
 say "check it with: systemctl status toko-api; systemctl list-timers 'toko-*'; journalctl -u toko-api"

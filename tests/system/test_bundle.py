@@ -584,6 +584,32 @@ def test_reinstall_upgrades_in_place_and_keeps_data(toko: Deployment) -> None:
     assert toko.post_product("Setelah upgrade")["id"] > 0
 
 
+def test_upgrade_leaves_timers_the_admin_turned_off(toko: Deployment) -> None:
+    # The multi-host setup turns toko-backup.timer off on all hosts but one.
+    # An upgrade used to enable and restart it again, and stopped half-way
+    # (new code, old process) at a masked timer, which cannot be enabled.
+    toko.machine.run(["systemctl", "disable", "--now", "toko-backup.timer"])
+    toko.machine.run(["systemctl", "mask", "--now", "toko-recap.timer"])
+    timers = ("toko-backup.timer", "toko-recap.timer")
+    before = {t: (toko.show(t, "UnitFileState"), toko.show(t, "ActiveState")) for t in timers}
+    pid = toko.main_pid()
+    try:
+        out = toko.make("install").stdout  # raises unless it exits 0
+        toko.wait_serving(old_pid=pid)
+        assert toko.post_product("Setelah upgrade tanpa timer")["id"] > 0
+        after = {t: (toko.show(t, "UnitFileState"), toko.show(t, "ActiveState")) for t in timers}
+        assert after == before, out
+        assert after["toko-backup.timer"] == ("disabled", "inactive")
+        # `mask --now` itself leaves the timer failed, before any upgrade.
+        assert after["toko-recap.timer"] in (("masked", "inactive"), ("masked", "failed"))
+        assert toko.show("toko-api.socket", "UnitFileState") == "enabled"
+        assert "enabling" not in out, out
+    finally:
+        toko.machine.run(["systemctl", "unmask", "toko-recap.timer"])
+        toko.machine.run(["systemctl", "reset-failed", "toko-recap.timer"], check=False)
+        toko.machine.run(["systemctl", "enable", "--now", "toko-recap.timer", "toko-backup.timer"])
+
+
 def test_stop_drains_and_succeeds(toko: Deployment) -> None:
     toko.post_product("Sebelum berhenti")
     since = toko.now()
@@ -609,7 +635,11 @@ def test_uninstall_keeps_the_data(toko: Deployment) -> None:
     ).stdout
     assert left.strip() == "", left
     assert toko.machine.run(["test", "-f", "/var/lib/toko/toko.db"], check=False).returncode == 0
-    # A later install finds the data again.
+    # A later install finds the data again, and is a first install: it
+    # enables and starts the units the uninstall disabled.
     toko.make("install")
     toko.wait_serving()
     assert toko.sql("SELECT count(*) FROM products")[0][0] == products
+    for unit in ("toko-api.socket", "toko-api.service", "toko-recap.timer", "toko-backup.timer"):
+        assert toko.show(unit, "UnitFileState") == "enabled", unit
+        assert toko.show(unit, "ActiveState") == "active", unit
