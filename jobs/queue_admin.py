@@ -3,7 +3,9 @@
 Talks to the store directly (not over HTTP), with the service's own
 environment: /etc/toko/toko.env when it exists and TOKO_DATABASE is not set
 (``--env-file`` names another). Run it as the service user, e.g.
-``sudo -u toko toko-queue stats``. A retried job runs at the running
+``sudo -u toko toko-queue stats``; on PostgreSQL it also needs the database
+password, which only root can read: run it with the credential, as the
+README's "Running on several hosts" shows. A retried job runs at the running
 toko-api's next sweep (within a second).
 
 Exit status: 0 done, 1 failed (unknown job, job neither failed nor waiting,
@@ -36,6 +38,13 @@ from service.validation import ID_MAX, ascii_int
 
 PROG = "toko-queue"
 LIST_LIMIT_MAX = 10_000
+# The password file is root's (0600): `sudo -u toko` cannot read it, so the
+# README hands it over as the services get it, as the credential db-password.
+PG_HINT = (
+    "no database password: run it as root with the credential, e.g. sudo systemd-run "
+    "--pipe --wait --quiet --uid=toko -p LoadCredential=db-password:/etc/toko/db-password "
+    f"/opt/toko/venv/bin/{PROG} stats"
+)
 
 
 class CommandFailed(Exception):
@@ -78,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect and repair the toko job queue.",
         epilog=(
             f"environment: as toko-api's; {DEFAULT_ENV_FILE} is read when it exists and "
-            "TOKO_DATABASE is not set. Run as the service user: sudo -u toko toko-queue stats"
+            "TOKO_DATABASE is not set. Run as the service user: sudo -u toko toko-queue stats "
+            "(on PostgreSQL with the password credential, see the README)"
         ),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -215,6 +225,16 @@ def _sqlite_file_problem(database: Path) -> str | None:
     return None
 
 
+def _store_hint(settings: Settings) -> str | None:
+    if not settings.is_postgres:
+        return f"run as the service user: sudo -u toko {PROG} ..."
+    if settings.database_password is None:
+        return PG_HINT
+    # Which local user asks makes no difference to a password login: the
+    # error itself says what went wrong (a wrong password, no server).
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -234,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
     except StoreError as exc:
-        print(f"{PROG}: {exc} (run as the service user: sudo -u toko {PROG} ...)", file=sys.stderr)
+        hint = _store_hint(settings)
+        suffix = f" ({hint})" if hint else ""
+        print(f"{PROG}: {exc}{suffix}", file=sys.stderr)
         return 1
     print(json.dumps(data, ensure_ascii=False, indent=2) if args.json else text)
     return 0

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from jobs import queue_admin
 from service.models import NewJob
 from service.store.admin import QueueAdmin
 from service.store.postgres import PostgresStore
@@ -96,3 +97,26 @@ async def test_purge_deletes_old_done_jobs_in_chunks_and_keeps_recaps(
     assert recap_job is not None
     # The period stays recorded: a second run is still a no-op.
     assert await store.record_recap("2026-11-01", 1, 1, NewJob("recap_email", {}, 1)) is None
+
+
+def test_toko_queue_without_the_password_says_how_to_give_it(
+    pg_cluster: PostgresCluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The password file is root's: `sudo -u toko toko-queue`, which the hint
+    # used to suggest, gets no password either.
+    for name in ("TOKO_DATABASE_PASSWORD_FILE", "CREDENTIALS_DIRECTORY", "PGPASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TOKO_DATABASE", pg_cluster.url())
+    assert queue_admin.main(["stats"]) == 1
+    err = capsys.readouterr().err
+    assert "LoadCredential=db-password:/etc/toko/db-password" in err, err
+    assert "sudo -u toko" not in err, err
+
+    # Given a wrong password, the error says so and no hint about users follows.
+    wrong = pg_cluster.folder / "wrong-password"
+    wrong.write_text("not it\n")
+    monkeypatch.setenv("TOKO_DATABASE_PASSWORD_FILE", str(wrong))
+    assert queue_admin.main(["stats"]) == 1
+    err = capsys.readouterr().err
+    assert "password authentication failed" in err, err
+    assert "sudo" not in err, err
