@@ -11,6 +11,7 @@ import asyncio
 import os
 import re
 import secrets
+import shlex
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +21,9 @@ from typing import Any
 import pytest
 import trustme
 
+from jobs.queue_admin import PG_HINT
 from tests.support.faults import FATAL_PRODUCT, FATAL_WRITER
+from tests.support.postgres import acquire_cluster, fetch_sync, release_cluster
 from tests.support.smtp import SmtpServer, server_tls
 from tests.support.syscalls import SYNCS, numbered, synced, trace_command, where
 from tests.system.deployment import CHECKOUT, ENV_FILE, INSTALLED_UNITS, TOKEN_FILE, Deployment
@@ -527,6 +530,81 @@ def test_mail_to_a_provider_logs_in_with_the_credential_over_checked_tls(
             toko.machine.run(["rm", "-f", anchor, drop_in, "/etc/toko/smtp-password"])
             toko.machine.run(["update-ca-certificates", "--fresh"])
             toko.machine.run(["systemctl", "daemon-reload"])
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+# A bare server has no sudo; the admin's root shell needs none.
+NO_SUDO = 'sudo() { "$@"; }\n'
+
+
+def readme_block(marker: str) -> str:
+    """The README's first ```sh block containing ``marker``, as an admin pastes it."""
+    blocks = re.findall(r"^```sh\n(.*?)^```$", README.read_text(), re.S | re.M)
+    return next(block for block in blocks if marker in block)
+
+
+def test_postgres_with_the_readmes_credential_for_every_service(toko: Deployment) -> None:
+    # The README's steps for several hosts, on a real PostgreSQL on the host's
+    # 127.0.0.1 (which the container shares). The credential loop used to miss
+    # toko-alert@, so no alert could be queued ("password authentication
+    # failed"), and `sudo -u toko toko-queue` cannot read the password file.
+    cluster = acquire_cluster()
+    url = cluster.create_database("systest")
+    units = ("toko-api", "toko-recap", "toko-backup", "toko-alert@")
+    drop_ins = [f"/etc/systemd/system/{unit}.service.d/db-password.conf" for unit in units]
+    try:
+        with toko.settings_added(f"TOKO_DATABASE={url}", restart=True):
+            try:
+                since = toko.now()
+                setup = readme_block("LoadCredential=db-password:").replace(
+                    "'the password'", shlex.quote(cluster.password)
+                )
+                toko.machine.run(["bash", "-c", NO_SUDO + setup], timeout=300)
+                toko.wait_serving()
+                product = toko.post_product("Di PostgreSQL")
+                query = "SELECT nama FROM products WHERE id = $1"
+                assert fetch_sync(cluster, url, query, product["id"]) == [("Di PostgreSQL",)]
+                alert = toko.machine.run(
+                    ["systemctl", "start", "toko-alert@test.service"], check=False
+                )
+                assert alert.returncode == 0, "\n".join(
+                    toko.messages("toko-alert@test.service", since)
+                )
+                query = "SELECT count(*) FROM jobs WHERE kind = 'alert_email'"
+                assert fetch_sync(cluster, url, query)[0][0] >= 1
+
+                def mailed() -> list[str]:
+                    return [
+                        str(e["SUBJECT"])
+                        for e in toko.journal("toko-api", since)
+                        if e.get("MESSAGE") == "email logged"
+                        and e.get("SUBJECT") == "toko: test failed"
+                    ]
+
+                wait_until(mailed, 60, "the alert email (log mailer) from toko-api on PostgreSQL")
+
+                # toko-queue: as toko without the password, the hint; its
+                # command and the README's helper log in.
+                refused = toko.machine.run(
+                    ["runuser", "-u", "toko", "--", "/opt/toko/venv/bin/toko-queue", "stats"],
+                    check=False,
+                )
+                assert refused.returncode == 1, refused
+                assert PG_HINT in refused.stderr, refused.stderr
+                hinted = PG_HINT.split("e.g. ", 1)[1]
+                assert "alert_email" in toko.machine.sh(NO_SUDO + hinted).stdout
+                helper = readme_block("toko toko-queue stats")
+                listed = toko.machine.run(["bash", "-c", NO_SUDO + helper]).stdout
+                assert "alert_email" in listed, listed
+            finally:
+                toko.machine.run(["rm", "-f", "/etc/toko/db-password", *drop_ins])
+                toko.machine.run(["systemctl", "daemon-reload"])
+                toko.machine.run(
+                    ["systemctl", "reset-failed", "toko-alert@test.service"], check=False
+                )
+    finally:
+        asyncio.run(cluster.async_drop_database(url))
+        release_cluster()
 
 
 def test_reinstall_writes_a_missing_configuration_and_an_empty_token_to_disk(
