@@ -24,6 +24,10 @@ def json_error(status: int, message: str, headers: dict[str, str] | None = None)
     return web.json_response({"error": message}, status=status, headers=headers)
 
 
+def body_too_large(limit: int) -> str:
+    return f"request body too large; the limit is {limit} bytes"
+
+
 def _http_error_message(request: web.Request, exc: web.HTTPException) -> str:
     if isinstance(exc, web.HTTPNotFound):
         return f"not found: {request.path}"
@@ -31,7 +35,7 @@ def _http_error_message(request: web.Request, exc: web.HTTPException) -> str:
         allowed = ", ".join(sorted(exc.allowed_methods))
         return f"method {request.method} is not allowed on {request.path}; allowed: {allowed}"
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return f"request body too large; the limit is {request.app[SETTINGS].max_body_bytes} bytes"
+        return body_too_large(request.app[SETTINGS].max_body_bytes)
     return exc.reason
 
 

@@ -7,7 +7,7 @@ import logging
 
 from aiohttp import hdrs, web
 
-from service.errors import Refused, abandon_body, json_error
+from service.errors import Refused, abandon_body, body_too_large, json_error
 from service.keys import METRICS, POOL, SETTINGS, STORE
 from service.models import NewJob, Product
 from service.openapi import openapi_document
@@ -95,6 +95,12 @@ async def _json_body(request: web.Request) -> bytes:
                 headers={"Accept-Encoding": "gzip, deflate"},
             )
         )
+    # A declared length over the limit is refused at once, before any of the
+    # body is read: the client may be waiting for an answer before it sends it.
+    # (A compressed body's limit is on what it decodes to: read it to know.)
+    limit = request.app[SETTINGS].max_body_bytes
+    if coding in ("", "identity") and (request.content_length or 0) > limit:
+        raise Refused(abandon_body(request, json_error(413, body_too_large(limit))))
     # Usually the whole body came with the headers. One still arriving gets
     # TOKO_CLIENT_TIMEOUT, so a client trickling it cannot hold a handler forever.
     if request.content.is_eof():

@@ -67,6 +67,23 @@ async def test_headers_trickled_without_end_are_cut_off(api: ServiceProcess) -> 
         assert await read_until_closed(reader) == b""
 
 
+async def test_a_declared_body_over_the_limit_is_refused_before_it_arrives(
+    api: ServiceProcess,
+) -> None:
+    # The client sends the headers and waits: it hears the 413 at once, not
+    # the 408 that waiting for the body would end in.
+    async with connection(api.port) as (reader, writer):
+        writer.write(
+            b"POST /produk HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000\r\n\r\n"
+        )
+        raw = await read_until_closed(reader)
+    resp = http.parse_response(raw)
+    assert resp.status == 413, resp
+    assert "the limit is 65536 bytes" in json.loads(resp.body)["error"]
+    assert db.product_count(api.database) == 0
+
+
 async def test_an_idle_kept_alive_connection_is_closed_after_its_answer(
     api: ServiceProcess,
 ) -> None:
