@@ -339,6 +339,13 @@ class PostgresStore:
                     return await lane.run(self._pool, fn)
                 async with self._pool.acquire(timeout=COMMAND_TIMEOUT) as conn:
                     return await fn(conn)
+            except TimeoutError as exc:
+                # Not tried again: this already waited COMMAND_TIMEOUT (a lock
+                # held elsewhere, a pool all in use, a silent network), and each
+                # try more would wait as long, past a job's 90 s lease.
+                raise StoreError(
+                    f"database call failed: no answer within {COMMAND_TIMEOUT:g} s"
+                ) from exc
             except _CONNECTION_ERRORS as exc:
                 if attempt == attempts or self._pool is None:
                     raise StoreError(f"database call failed: {exc}") from exc

@@ -368,6 +368,36 @@ async def test_open_gives_up_on_an_unreachable_database(
         await PostgresStore(dead, password=pg_cluster.password).open()
 
 
+async def test_a_call_that_times_out_is_not_tried_again(
+    pg_cluster: PostgresCluster,
+    pg_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A lock held elsewhere: the call waits its full timeout once and fails.
+    # Trying again on another connection would wait as long again, up to nine
+    # times (4.5 minutes at 30 s), so a late ack would outlive its job's lease.
+    monkeypatch.setattr(postgres, "COMMAND_TIMEOUT", 0.5)
+    store = PostgresStore(pg_url, password=pg_cluster.password)
+    await store.open()
+    locker = await pg_cluster.connect(pg_url.rsplit("/", 1)[1])
+    try:
+        tx = locker.transaction()
+        await tx.start()
+        await locker.execute("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE")
+        with (
+            caplog.at_level(logging.WARNING, logger="toko.store"),
+            pytest.raises(StoreError, match=r"no answer within 0\.5 s"),
+        ):
+            await store.counts()
+        assert not [r for r in caplog.records if "trying again" in r.getMessage()]
+        await tx.rollback()
+        assert (await store.counts()).pending == 0  # and the next call works
+    finally:
+        await locker.close()
+        await store.close()
+
+
 async def test_an_idempotency_key_stored_by_another_host_meanwhile_is_answered(
     hosts: list[PostgresStore], pg_cluster: PostgresCluster, pg_url: str
 ) -> None:
