@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from service.models import JOB_STATES, iso_utc
+from service.models import JOB_STATES, iso_utc, printable_text
 from service.store.admin import JobDetails, QueueStats
 
 ERROR_WIDTH = 60
@@ -22,7 +22,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 def _short(text: str | None, width: int = ERROR_WIDTH) -> str:
     if not text:
         return "-"
-    line = " ".join(text.split())
+    line = " ".join(printable_text(text).split())
     return line if len(line) <= width else line[: width - 1] + "…"
 
 
@@ -63,7 +63,8 @@ def jobs_text(jobs: Sequence[JobDetails]) -> str:
 def job_text(details: JobDetails) -> str:
     data = details.to_json()
     payload = json.dumps(data.pop("payload"), ensure_ascii=False, indent=2)
-    data["last_error"] = data["last_error"] or "-"
+    # Stored before errors were made printable, or by another toko: escape it here too.
+    data["last_error"] = printable_text(data["last_error"] or "-")
     data["lease_until"] = data["lease_until"] or "-"
     width = max(len(k) for k in data)
     lines = [f"{key.ljust(width)}  {value}" for key, value in data.items()]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,11 +19,30 @@ def iso_utc(epoch: float) -> str:
     """Seconds since the epoch as ISO-8601 UTC with milliseconds, e.g. 2026-11-29T18:00:00.123Z."""
     # Every response and log line formats a time; this is several times faster
     # than datetime.isoformat, and the second's text is cached.
-    seconds = int(epoch)
+    seconds = math.floor(epoch)  # not int(): before 1970 that would leave micros negative
     micros = round((epoch - seconds) * 1_000_000)  # rounded as datetime does
     if micros >= 1_000_000:
         seconds, micros = seconds + 1, micros - 1_000_000
     return f"{_second_text(seconds)}.{micros // 1000:03d}Z"
+
+
+# Control characters but for tab and newline (C0, DEL, C1): a terminal acts on them.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable_text(text: str) -> str:
+    """``text`` safe to store as UTF-8 and to show on a terminal.
+
+    A mail server's reply in Latin-1 reaches us as surrogate escapes, which no
+    UTF-8 database takes; those bytes, and control characters other than tab
+    and newline, become backslash escapes (``Empf\\xe4nger``).
+    """
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that stands for no byte
+        raw = text.encode("utf-8", "backslashreplace")
+    text = raw.decode("utf-8", "backslashreplace")
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 @functools.lru_cache(maxsize=4)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
 from service.logs import Throttle
-from service.models import Job, NewJob, PartlyDone, leased_job
+from service.models import Job, NewJob, PartlyDone, leased_job, printable_text
 from service.store.base import Store, StoreError
 from service.tasks import Handler, JobContext, job_fields
 
@@ -452,4 +452,6 @@ class WorkerPool:
 def _describe(exc: Exception) -> str:
     if isinstance(exc, TimeoutError):
         return "timed out"
-    return f"{type(exc).__name__}: {exc}"[:1000]
+    # printable: a mail server's reply is its own bytes (Latin-1, escapes), and
+    # a store write that refuses them would end the worker, not the attempt.
+    return printable_text(f"{type(exc).__name__}: {exc}")[:1000]

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 from service import __version__
+from service.models import NewJob
 from service.store.sqlite import SqliteStore
 from tests.conftest import ServiceFactory
 from tests.operability.cli import run
@@ -141,6 +142,27 @@ async def test_purge_keeps_recent_done_jobs(
     assert purged.returncode == 0 and purged.stdout.startswith("purged 1 done job(s)")
     assert db.job_states(svc.database) == {"done": 1}  # the newest: its id is not reused
     assert db.product_count(svc.database) == 2  # products are never pruned
+
+
+async def test_list_and_show_escape_control_characters(tmp_path: Path) -> None:
+    # An error text as a mail server sent it, stored before toko escaped such
+    # text (or by another toko): printed raw, it would retitle or clear the
+    # admin's terminal.
+    database = tmp_path / "toko.db"
+    store = SqliteStore(str(database))
+    await store.open()
+    try:
+        job_id = await store.enqueue(NewJob("email", {}, 1))
+        await store.claim(1, 60)
+        await store.fail(job_id, "550 \x1b]0;pwned\x07\x1b[2J gone")
+    finally:
+        await store.close()
+    env = {"TOKO_DATABASE": str(database)}
+    for args in (("list", "--state", "failed"), ("show", str(job_id))):
+        shown = await run("toko-queue", *args, env=env)
+        assert shown.returncode == 0, shown
+        assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout
+        assert "\\x1b]0;pwned\\x07" in shown.stdout, shown.stdout
 
 
 async def test_usage_errors_and_env_file(tmp_path: Path) -> None:

@@ -418,6 +418,22 @@ async def test_unknown_kind_fails_without_killing_a_worker(
     assert pool.alive == 2
 
 
+async def test_an_error_text_no_database_takes_fails_the_attempt_not_the_worker(
+    store: Store, make_pool: Callable[..., WorkerPool]
+) -> None:
+    # A mail server answering in Latin-1: aiosmtplib hands over its bytes as
+    # surrogate escapes, which no UTF-8 database stores.
+    async def handler(job: Job, ctx: JobContext) -> None:
+        raise RuntimeError("550 Empf\udce4nger unbekannt")
+
+    pool = make_pool(handler, workers=1)
+    job_id = await store.enqueue(NewJob("k", {}, 1))
+    await pool.start()
+    job = await wait_state(store, job_id, "failed")
+    assert job.last_error == "RuntimeError: 550 Empf\\xe4nger unbekannt"
+    assert pool.alive == 1 and pool.healthy()
+
+
 async def test_a_dead_worker_is_replaced(
     store: Store, make_pool: Callable[..., WorkerPool]
 ) -> None:
