@@ -6,10 +6,16 @@ so the same process runs unchanged in a terminal.
 
 from __future__ import annotations
 
+import logging
 import socket
 
 import sdnotify
 from systemd import daemon
+
+from service.logs import Throttle
+
+log = logging.getLogger("toko.systemd")
+_SEND_FAILURES = Throttle()
 
 
 class Notifier:
@@ -22,8 +28,16 @@ class Notifier:
         return self._notifier is not None
 
     def send(self, *lines: str) -> None:
-        if self._notifier is not None:
-            self._notifier.notify("\n".join(lines))
+        if self._notifier is None or self._notifier.socket is None:
+            return
+        # UTF-8, as systemd reads it, on sdnotify's socket: its notify() encodes
+        # Latin-1 and drops the whole message, READY=1 and all, when a STATUS=
+        # holds any other character (a database path in Cyrillic, say).
+        message = "\n".join(lines).encode("utf-8", "backslashreplace")
+        try:
+            self._notifier.socket.sendall(message)
+        except OSError as exc:
+            _SEND_FAILURES.log(log, logging.WARNING, "could not notify systemd: %s", exc)
 
     def ready(self, status: str) -> None:
         self.send("READY=1", f"STATUS={status}")

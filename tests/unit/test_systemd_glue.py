@@ -42,6 +42,20 @@ def test_notifier_sends_ready_watchdog_stopping(
     ]
 
 
+def test_a_status_in_any_script_arrives_as_utf8_with_its_ready(
+    notify_socket: tuple[str, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # sdnotify's own notify() encodes Latin-1: Cyrillic lost the whole
+    # message, READY=1 with it, and "é" arrived as a byte systemd refuses.
+    path, sock = notify_socket
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    notifier = Notifier(path)
+    for status in ("cannot write: /srv/данные/toko.db", "cannot write: /srv/café/toko.db"):
+        notifier.ready(status)
+        assert sock.recv(4096) == f"READY=1\nSTATUS={status}".encode()
+    notifier.close()
+
+
 def test_notifier_is_a_no_op_outside_systemd() -> None:
     notifier = Notifier(None)
     assert not notifier.enabled
