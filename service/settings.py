@@ -134,7 +134,7 @@ class Settings:
             job_retention=env.get("TOKO_JOB_RETENTION", _retention, 7 * 86400.0),
             notify_socket=environ.get("NOTIFY_SOCKET") or None,
             watchdog_interval=_watchdog_interval(environ),
-            journal=bool(environ.get("JOURNAL_STREAM")),
+            journal=_output_is_journal(environ.get("JOURNAL_STREAM")),
             fault_injection=env.get("TOKO_FAULT_INJECTION", _parse_bool, False),
             fault_block_seconds=env.get("TOKO_FAULT_BLOCK_SECONDS", _seconds(0.0, 600.0), 5.0),
         )
@@ -159,6 +159,27 @@ def _shown(raw: str) -> str:
     if len(raw) <= 100:
         return repr(raw)
     return f"{raw[:40]!r}... ({len(raw)} characters)"
+
+
+def _output_is_journal(stream: str | None) -> bool:
+    """Whether stdout or stderr is the journal stream JOURNAL_STREAM names.
+
+    systemd.exec(5): compare its ``device:inode`` with the descriptors. A
+    process started from within a service (a shell in it, a CI job under a
+    systemd-run runner) inherits the variable with its output elsewhere, and
+    logging to the journal would then make every line vanish from where its
+    user looks.
+    """
+    if not stream:
+        return False
+    for fd in (1, 2):
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if f"{st.st_dev}:{st.st_ino}" == stream.strip():
+            return True
+    return False
 
 
 def _parse_listen(raw: str) -> tuple[str, int]:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,12 @@ def test_watchdog_interval_is_half_of_watchdog_usec() -> None:
 def test_listen_accepts_ipv6_brackets() -> None:
     s = Settings.from_env({"TOKO_LISTEN": "[::1]:9000"})
     assert (s.listen_host, s.listen_port) == ("::1", 9000)
+
+
+def test_journal_only_when_an_output_is_the_stream_journal_stream_names() -> None:
+    # Inherited by a process whose output goes elsewhere (a shell started
+    # from a service): logging to the journal would lose every line.
+    assert not Settings.from_env({"JOURNAL_STREAM": "8:12345"}).journal
+    assert not Settings.from_env({}).journal
+    st = os.fstat(2)
+    assert Settings.from_env({"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}).journal
