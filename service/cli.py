@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here, not at the top: --version, --help and --check-config
     # answer without loading aiohttp and the rest of the server.
     from service.runner import run
+    from service.systemd import SocketActivationError
 
     setup_logging(settings.log_level, journal=settings.journal, identifier="toko-api")
     log = logging.getLogger("toko")
@@ -88,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         log.critical("cannot start: %s", exc)
         print(f"toko-api: {exc}", file=sys.stderr)
         return 1
+    except SocketActivationError as exc:
+        log.critical("cannot start: %s", exc)
+        print(f"toko-api: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         log.critical("cannot start: %s", exc)
         print(

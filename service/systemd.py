@@ -60,6 +60,21 @@ class Notifier:
         self._notifier = None
 
 
+class SocketActivationError(Exception):
+    """A descriptor passed by socket activation cannot be served on."""
+
+
 def passed_listen_sockets() -> list[socket.socket]:
-    """Listening sockets handed over by a .socket unit (LISTEN_FDS), if any."""
-    return [socket.socket(fileno=fd) for fd in daemon.listen_fds()]
+    """Listening sockets handed over by a .socket unit (LISTEN_FDS), if any.
+
+    Each must be a listening stream socket (ListenStream=): anything else
+    (ListenDatagram=, a FIFO) is a unit to fix, not something a restart mends.
+    """
+    fds = daemon.listen_fds()
+    for fd in fds:
+        if not daemon.is_socket(fd, type=socket.SOCK_STREAM, listening=1):
+            raise SocketActivationError(
+                f"socket activation passed descriptor {fd}, which is not a listening stream"
+                " socket; toko-api.socket must use ListenStream= only"
+            )
+    return [socket.socket(fileno=fd) for fd in fds]

@@ -12,6 +12,7 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -339,6 +340,35 @@ async def test_bad_configuration_exits_2_naming_the_variable(
     assert svc.notify is not None
     svc.notify.flush()
     assert svc.notify.first("READY") is None
+
+
+def test_a_passed_socket_that_is_no_listening_stream_stops_start_up_in_one_line(
+    tmp_path: Path,
+) -> None:
+    # A .socket unit with ListenDatagram=: socket activation hands over a UDP
+    # socket as fd 3. A restart cannot mend that, so: exit 2, one line, no traceback.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        udp.bind(("127.0.0.1", 0))
+        fd = udp.fileno()
+        script = f'exec 3<&{fd} {fd}<&-; LISTEN_FDS=1 LISTEN_PID=$$ exec "$0"'
+        started = subprocess.run(
+            ["bash", "-c", script, str(TOKO_API)],  # dash takes single-digit fds only
+            env={
+                "PATH": "/usr/bin:/bin",
+                "LANG": "C.UTF-8",
+                "TOKO_DATABASE": str(tmp_path / "toko.db"),
+                # PYTHONPATH=<checkout> (a worktree): run that checkout's code.
+                **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
+            },
+            pass_fds=(fd,),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    assert started.returncode == 2, started
+    assert "not a listening stream socket" in started.stderr, started.stderr
+    assert "Traceback" not in started.stderr + started.stdout, started.stderr
 
 
 def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
