@@ -101,8 +101,8 @@ class WorkerPool:
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._claimer: asyncio.Task[None] | None = None
         self._acker: asyncio.Task[None] | None = None
-        self._acks: list[int] = []
-        self._late: list[int] = []  # leased jobs dispatched after stop() began
+        self._acks: list[Job] = []
+        self._late: list[Job] = []  # leased jobs dispatched after stop() began
         # Leased to us and not yet acked, retried or failed in the store: never
         # claimed again by us, even if a clock step makes their leases look expired.
         self._held: set[int] = set()
@@ -194,7 +194,7 @@ class WorkerPool:
             self._capacity.set()
         elif self._stopping:
             # Too late to run: put it back for the next start, like an unstarted claim.
-            self._late.append(job.id)
+            self._late.append(job)
         else:
             self._held.add(job.id)
             self._handoff.put_nowait(job)
@@ -227,11 +227,11 @@ class WorkerPool:
         """
         self._stopping = True
         await self._stop_claimer()
-        unstarted: list[int] = []
+        unstarted: list[Job] = []
         while not self._handoff.empty():
             job = self._handoff.get_nowait()
             if job is not None:
-                unstarted.append(job.id)
+                unstarted.append(job)
         await self._release(unstarted)
         for _ in self._workers:
             self._handoff.put_nowait(None)  # each idle worker exits on its None
@@ -256,12 +256,12 @@ class WorkerPool:
         await self._release(self._late)
         return left
 
-    async def _release(self, job_ids: list[int]) -> None:
+    async def _release(self, jobs: list[Job]) -> None:
         try:
-            await self._store.release(job_ids)
+            await self._store.release(jobs)
         except StoreError as exc:
-            log.error("could not release unstarted jobs: %s", exc, extra={"JOBS": len(job_ids)})
-        self._held.difference_update(job_ids)
+            log.error("could not release unstarted jobs: %s", exc, extra={"JOBS": len(jobs)})
+        self._held.difference_update(job.id for job in jobs)
 
     # claimer ---------------------------------------------------------------------
     async def _stop_claimer(self) -> None:
@@ -385,7 +385,7 @@ class WorkerPool:
                 self._observer.job_finished(job.kind, outcome, elapsed)
             return
         elapsed = time.monotonic() - started
-        self._acks.append(job.id)
+        self._acks.append(job)
         self._ack_wakeup.set()
         self.succeeded += 1
         if self._observer is not None:
@@ -406,17 +406,17 @@ class WorkerPool:
         await self._flush_acks()
 
     async def _flush_acks(self) -> None:
-        ids, self._acks = self._acks, []
-        if not ids:
+        jobs, self._acks = self._acks, []
+        if not jobs:
             return
         try:
-            await self._store.complete(ids)
+            await self._store.complete(jobs)
         except StoreError as exc:
             # Those jobs ran but are not marked done: they run again later
             # (delivery is at-least-once; the Message-ID tells duplicates apart).
-            log.error("could not mark jobs done: %s", exc, extra={"JOBS": len(ids)})
+            log.error("could not mark jobs done: %s", exc, extra={"JOBS": len(jobs)})
         finally:
-            self._held.difference_update(ids)
+            self._held.difference_update(job.id for job in jobs)
 
     async def _record_failure(
         self, job: Job, error: str, fields: dict[str, object], left: dict[str, Any] | None
@@ -429,14 +429,14 @@ class WorkerPool:
         fields = {**fields, "ERROR": error}
         try:
             if job.attempts >= job.max_attempts:
-                await self._store.fail(job.id, error, left)
+                await self._store.fail(job, error, left)
                 self.failed += 1
                 log.error("job failed permanently", extra=fields)
                 return "failed"
             delay = backoff_delay(
                 job.attempts, self._config.backoff_base, self._config.max_backoff, self._rng
             )
-            await self._store.retry(job.id, error, self._clock() + delay, left)
+            await self._store.retry(job, error, self._clock() + delay, left)
         except StoreError as exc:
             log.error("could not record job failure: %s", exc, extra=fields)
             return None

@@ -40,6 +40,17 @@ def without_abandoned(jobs: list[Job]) -> list[Job]:
     return [job for job in jobs if job.state != "failed"]
 
 
+def note_lost_claims(expected: int, changed: int, outcome: str) -> None:
+    """Log outcomes the store dropped because their claim was no longer held."""
+    if changed < expected:
+        log.warning(
+            "job outcome (%s) not recorded: the job is no longer this worker's (its lease"
+            " ran out and it was claimed again, or a retried write recorded it already)",
+            outcome,
+            extra={"JOBS": expected - changed},
+        )
+
+
 class StoreError(RuntimeError):
     """The store failed (disk, lock, corruption): our fault, never the client's."""
 
@@ -128,20 +139,25 @@ class Store(Protocol):
         and taking them again would run them twice at once.
         """
 
-    async def complete(self, job_ids: Sequence[int]) -> None:
+    # The outcome of an attempt is written for the claim that made it: the job
+    # as claimed (its id and attempt). A claim no longer held, whose lease ran
+    # out and another host claimed the job again, writes nothing: a late
+    # outcome must not undo that host's claim or its result.
+
+    async def complete(self, jobs: Sequence[Job]) -> None:
         """Mark jobs done (acks are batched: one write for many jobs)."""
 
     async def retry(
-        self, job_id: int, error: str, run_at: float, payload: dict[str, Any] | None = None
+        self, job: Job, error: str, run_at: float, payload: dict[str, Any] | None = None
     ) -> None:
         """Put a failed attempt back as pending, due at ``run_at``; with a new
         ``payload`` when the attempt did part of the job."""
 
-    async def fail(self, job_id: int, error: str, payload: dict[str, Any] | None = None) -> None:
+    async def fail(self, job: Job, error: str, payload: dict[str, Any] | None = None) -> None:
         """Keep a job that used its last attempt as ``failed`` (the dead letter);
         with a new ``payload`` when the attempt did part of the job."""
 
-    async def release(self, job_ids: Sequence[int]) -> None:
+    async def release(self, jobs: Sequence[Job]) -> None:
         """Return claimed-but-unstarted jobs to pending without counting an attempt."""
 
     async def recover_abandoned(self) -> int:

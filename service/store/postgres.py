@@ -47,6 +47,7 @@ from service.store.base import (
     ABANDONED_ERROR,
     StoreError,
     WriteHealth,
+    note_lost_claims,
     without_abandoned,
 )
 from service.store.pg_migrations import JOBS_CHANNEL, RECAP_LOCK_CLASS, SchemaTooNew, migrate
@@ -86,6 +87,11 @@ _DB_ERRORS = (asyncpg.PostgresError, *_CONNECTION_ERRORS)
 # Connection errors that waiting cannot fix: the URL's TLS settings (a missing
 # sslrootcert file) or a server certificate that does not check out.
 _MISCONFIGURED = (asyncpg.ClientConfigurationError, ssl.SSLCertVerificationError)
+
+
+def _rows(status: str) -> int:
+    """How many rows a command changed, from its status ("UPDATE 3")."""
+    return int(status.rpartition(" ")[2] or 0)
 
 
 def redact(url: str) -> str:
@@ -645,66 +651,79 @@ class PostgresStore:
         jobs = sorted((job_from_row(row) for row in rows), key=lambda job: job.id)
         return without_abandoned(jobs)
 
-    async def complete(self, job_ids: Sequence[int]) -> None:
-        if job_ids:
-            await self._execute(
-                "UPDATE jobs SET state = 'done', lease_until = NULL, updated_at = $2 "
-                "WHERE id = ANY($1::bigint[])",
-                list(job_ids),
-                self._clock(),
-                retry=True,
-                write=True,
-                lane=self._acks,
-            )
+    async def complete(self, jobs: Sequence[Job]) -> None:
+        if not jobs:
+            return
+        # Fenced on the claim (id and attempt): see Store.
+        status = await self._execute(
+            """
+            UPDATE jobs SET state = 'done', lease_until = NULL, updated_at = $3
+              FROM unnest($1::bigint[], $2::int[]) AS claim(job_id, attempt)
+             WHERE jobs.id = claim.job_id AND jobs.attempts = claim.attempt
+               AND jobs.state = 'running'
+            """,
+            [job.id for job in jobs],
+            [job.attempts for job in jobs],
+            self._clock(),
+            retry=True,
+            write=True,
+            lane=self._acks,
+        )
+        note_lost_claims(len(jobs), _rows(status), "done")
 
     async def retry(
-        self, job_id: int, error: str, run_at: float, payload: dict[str, Any] | None = None
+        self, job: Job, error: str, run_at: float, payload: dict[str, Any] | None = None
     ) -> None:
-        await self._set_state(job_id, "pending", error, run_at, payload)
+        await self._set_state(job, "pending", error, run_at, payload)
 
-    async def fail(self, job_id: int, error: str, payload: dict[str, Any] | None = None) -> None:
-        await self._set_state(job_id, "failed", error, None, payload)
+    async def fail(self, job: Job, error: str, payload: dict[str, Any] | None = None) -> None:
+        await self._set_state(job, "failed", error, None, payload)
 
     async def _set_state(
         self,
-        job_id: int,
+        job: Job,
         state: str,
         error: str | None,
         run_at: float | None,
         payload: dict[str, Any] | None,
     ) -> None:
-        await self._execute(
+        status = await self._execute(
             """
             UPDATE jobs SET state = $2, last_error = coalesce($3, last_error),
                    run_at = coalesce($4, run_at), payload = coalesce($6::jsonb, payload),
                    lease_until = NULL, updated_at = $5
-             WHERE id = $1
+             WHERE id = $1 AND attempts = $7 AND state = 'running'
             """,
-            job_id,
+            job.id,
             state,
             error,
             run_at,
             self._clock(),
             None if payload is None else json.dumps(payload),
+            job.attempts,
             retry=True,
             write=True,
         )
+        note_lost_claims(1, _rows(status), state)
 
-    async def release(self, job_ids: Sequence[int]) -> None:
-        if not job_ids:
+    async def release(self, jobs: Sequence[Job]) -> None:
+        if not jobs:
             return
         # Released jobs are due now: tell the other instances, in the same transaction.
         await self._execute(
             f"""
             WITH released AS (
                 UPDATE jobs SET state = 'pending', attempts = greatest(attempts - 1, 0),
-                       lease_until = NULL, updated_at = $2
-                 WHERE id = ANY($1::bigint[]) AND state = 'running'
-                RETURNING id
+                       lease_until = NULL, updated_at = $3
+                  FROM unnest($1::bigint[], $2::int[]) AS claim(job_id, attempt)
+                 WHERE jobs.id = claim.job_id AND jobs.attempts = claim.attempt
+                   AND jobs.state = 'running'
+                RETURNING jobs.id
             )
             SELECT pg_notify('{JOBS_CHANNEL}', '') WHERE EXISTS (SELECT 1 FROM released)
             """,
-            list(job_ids),
+            [job.id for job in jobs],
+            [job.attempts for job in jobs],
             self._clock(),
             retry=True,
             write=True,

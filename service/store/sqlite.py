@@ -35,6 +35,7 @@ from service.store.base import (
     ABANDONED_ERROR,
     StoreError,
     WriteHealth,
+    note_lost_claims,
     without_abandoned,
 )
 from service.store.file_guard import FileGuard
@@ -275,23 +276,26 @@ class SqliteStore:
         jobs = await self._write(_claim, (limit, now, now + lease_seconds, json.dumps(list(held))))
         return without_abandoned(jobs)
 
-    async def complete(self, job_ids: Sequence[int]) -> None:
-        if job_ids:
-            await self._write(_complete, (list(job_ids), self._clock()))
+    async def complete(self, jobs: Sequence[Job]) -> None:
+        if jobs:
+            claims = [(job.id, job.attempts) for job in jobs]
+            changed = await self._write(_complete, (claims, self._clock()))
+            note_lost_claims(len(jobs), changed, "done")
 
     async def retry(
-        self, job_id: int, error: str, run_at: float, payload: dict[str, Any] | None = None
+        self, job: Job, error: str, run_at: float, payload: dict[str, Any] | None = None
     ) -> None:
-        arg: StateArg = (job_id, "pending", error, run_at, _json_or_none(payload), self._clock())
-        await self._write(_set_state, arg)
+        arg: StateArg = (job.id, job.attempts, "pending", error, run_at, _json_or_none(payload))
+        note_lost_claims(1, await self._write(_set_state, (arg, self._clock())), "pending")
 
-    async def fail(self, job_id: int, error: str, payload: dict[str, Any] | None = None) -> None:
-        arg: StateArg = (job_id, "failed", error, None, _json_or_none(payload), self._clock())
-        await self._write(_set_state, arg)
+    async def fail(self, job: Job, error: str, payload: dict[str, Any] | None = None) -> None:
+        arg: StateArg = (job.id, job.attempts, "failed", error, None, _json_or_none(payload))
+        note_lost_claims(1, await self._write(_set_state, (arg, self._clock())), "failed")
 
-    async def release(self, job_ids: Sequence[int]) -> None:
-        if job_ids:
-            await self._write(_release, (list(job_ids), self._clock()))
+    async def release(self, jobs: Sequence[Job]) -> None:
+        if jobs:
+            claims = [(job.id, job.attempts) for job in jobs]
+            await self._write(_release, (claims, self._clock()))
 
     async def recover_abandoned(self) -> int:
         return len(without_abandoned(await self._write(_recover_abandoned, self._clock())))
@@ -597,49 +601,54 @@ def _ids_in_chunks(ids: list[int], size: int = 500) -> list[list[int]]:
     return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
-def _complete(conn: sqlite3.Connection, items: list[tuple[list[int], float]]) -> list[None]:
-    now = max(now for _, now in items)
-    for chunk in _ids_in_chunks([job_id for ids, _ in items for job_id in ids]):
-        conn.execute(
-            "UPDATE jobs SET state = 'done', lease_until = NULL, updated_at = ? "
-            f"WHERE id IN ({', '.join('?' * len(chunk))})",
-            [now, *chunk],
+# (job id, attempt): a claim, as the worker that holds it knows it.
+Claim = tuple[int, int]
+
+
+def _complete(conn: sqlite3.Connection, items: list[tuple[list[Claim], float]]) -> list[int]:
+    changed = []
+    for claims, now in items:
+        cur = conn.executemany(
+            "UPDATE jobs SET state = 'done', lease_until = NULL, updated_at = ?"
+            " WHERE id = ? AND attempts = ? AND state = 'running'",
+            [(now, job_id, attempt) for job_id, attempt in claims],
         )
-    return [None] * len(items)
+        changed.append(cur.rowcount)
+    return changed
 
 
-# job id, state, error, run_at, payload (JSON text; None keeps it), now
-StateArg = tuple[int, str, str | None, float | None, str | None, float]
+# job id, its attempt, state, error, run_at, payload (JSON text; None keeps it)
+StateArg = tuple[int, int, str, str | None, float | None, str | None]
 
 
 def _json_or_none(payload: dict[str, Any] | None) -> str | None:
     return None if payload is None else json.dumps(payload)
 
 
-def _set_state(conn: sqlite3.Connection, items: list[StateArg]) -> list[None]:
-    conn.executemany(
-        """
-        UPDATE jobs SET state = ?, last_error = coalesce(?, last_error),
-               run_at = coalesce(?, run_at), payload = coalesce(?, payload),
-               lease_until = NULL, updated_at = ?
-         WHERE id = ?
-        """,
-        [
-            (state, error, run_at, payload, now, job_id)
-            for job_id, state, error, run_at, payload, now in items
-        ],
-    )
-    return [None] * len(items)
+def _set_state(conn: sqlite3.Connection, items: list[tuple[StateArg, float]]) -> list[int]:
+    changed = []
+    for (job_id, attempt, state, error, run_at, payload), now in items:
+        cur = conn.execute(
+            """
+            UPDATE jobs SET state = ?, last_error = coalesce(?, last_error),
+                   run_at = coalesce(?, run_at), payload = coalesce(?, payload),
+                   lease_until = NULL, updated_at = ?
+             WHERE id = ? AND attempts = ? AND state = 'running'
+            """,
+            (state, error, run_at, payload, now, job_id, attempt),
+        )
+        changed.append(cur.rowcount)
+    return changed
 
 
-def _release(conn: sqlite3.Connection, items: list[tuple[list[int], float]]) -> list[None]:
+def _release(conn: sqlite3.Connection, items: list[tuple[list[Claim], float]]) -> list[None]:
     conn.executemany(
         """
         UPDATE jobs SET state = 'pending', attempts = max(attempts - 1, 0),
                lease_until = NULL, updated_at = ?
-         WHERE id = ? AND state = 'running'
+         WHERE id = ? AND attempts = ? AND state = 'running'
         """,
-        [(now, job_id) for ids, now in items for job_id in ids],
+        [(now, job_id, attempt) for claims, now in items for job_id, attempt in claims],
     )
     return [None] * len(items)
 

@@ -153,8 +153,8 @@ async def test_list_and_show_escape_control_characters(tmp_path: Path) -> None:
     await store.open()
     try:
         job_id = await store.enqueue(NewJob("email", {}, 1))
-        await store.claim(1, 60)
-        await store.fail(job_id, "550 \x1b]0;pwned\x07\x1b[2J gone")
+        (job,) = await store.claim(1, 60)
+        await store.fail(job, "550 \x1b]0;pwned\x07\x1b[2J gone")
     finally:
         await store.close()
     env = {"TOKO_DATABASE": str(database)}

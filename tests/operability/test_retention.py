@@ -35,9 +35,9 @@ async def job_in_state(store: SqliteStore, clock: Clock, at: float, state: str, 
     (claimed,) = await store.claim(1, 60)
     assert claimed.id == job_id
     if state == "done":
-        await store.complete([job_id])
+        await store.complete([claimed])
     elif state == "failed":
-        await store.fail(job_id, "boom")
+        await store.fail(claimed, "boom")
     return job_id
 
 
@@ -62,7 +62,7 @@ async def test_recap_prunes_only_old_done_jobs(tmp_path: Path) -> None:
         assert recap_job is not None
         (claimed,) = await store.claim(1, 60)
         assert claimed.id == recap_job
-        await store.complete([recap_job])
+        await store.complete([claimed])
         # Last: a pending job would be the first one claimed above.
         old_pending = await job_in_state(store, clock, now - 30 * DAY, "pending", "product_email")
     finally:

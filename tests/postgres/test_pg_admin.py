@@ -41,7 +41,7 @@ async def test_stats_list_details_and_retry_of_failed_jobs(
     ids = [await store.enqueue(NewJob(kind, {}, 1)) for kind in ("a", "a", "b")]
     for _ in ids:
         (job,) = await store.claim(1, 60)
-        await store.fail(job.id, f"broken {job.id}")
+        await store.fail(job, f"broken {job.id}")
         clock.now += 1
     stats = await store.queue_stats()
     assert stats.counts.failed == 3 and stats.oldest_pending_run_at is None
@@ -81,11 +81,11 @@ async def test_purge_deletes_old_done_jobs_in_chunks_and_keeps_recaps(
     recap_job = await store.record_recap("2026-11-01", 1, 1, NewJob("recap_email", {}, 1))
     old = [await store.enqueue(NewJob("k", {}, 1)) for _ in range(7)]
     jobs = await store.claim(100, 60)
-    await store.complete([j.id for j in jobs])
+    await store.complete(jobs)
     clock.now += 1000
     new = await store.enqueue(NewJob("k", {}, 1))
     (job,) = await store.claim(1, 60)
-    await store.complete([job.id])
+    await store.complete([job])
     pending = await store.enqueue(NewJob("k", {}, 1))
 
     assert await store.purge_done(clock.now - 500, chunk=3) == len(old) + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
@@ -416,7 +417,7 @@ async def test_a_job_enqueued_leased_is_already_claimed(store: Store, clock: Fak
 async def test_retry_waits_until_due(store: Store, clock: FakeClock) -> None:
     await store.enqueue(NewJob("k", {}, 3))
     (job,) = await store.claim(1, 60)
-    await store.retry(job.id, "SMTP 451: try later", clock.now + 10)
+    await store.retry(job, "SMTP 451: try later", clock.now + 10)
     assert await store.claim(1, 60) == []
     assert await store.next_due_at() == clock.now + 10
     clock.now += 10
@@ -428,12 +429,12 @@ async def test_an_admin_sends_jobs_waiting_to_retry_now(store: Store, clock: Fak
     assert isinstance(store, QueueAdmin)
     waiting = await store.enqueue(NewJob("k", {}, 20))
     (job,) = await store.claim(1, 60)
-    await store.retry(job.id, "SMTP 535: bad password", clock.now + 3600)
+    await store.retry(job, "SMTP 535: bad password", clock.now + 3600)
     fresh = await store.enqueue(NewJob("k", {}, 20))  # never tried: not "waiting"
     failed = await store.enqueue(NewJob("k", {}, 1))
-    await store.claim(5, 60)  # takes the two due ones
-    await store.fail(failed, "SMTP 550: no such user")
-    await store.release([fresh])
+    claimed = {job.id: job for job in await store.claim(5, 60)}  # the two due ones
+    await store.fail(claimed[failed], "SMTP 550: no such user")
+    await store.release([claimed[fresh]])
 
     assert await store.retry_now([waiting, fresh, failed], "waiting") == [waiting]
     assert await store.retry_now(None, "waiting") == []
@@ -449,25 +450,47 @@ async def test_an_attempt_that_did_part_of_the_job_leaves_the_rest(
 ) -> None:
     await store.enqueue(NewJob("k", {"to": ["bos", "kasir"]}, 3))
     (job,) = await store.claim(1, 60)
-    await store.retry(
-        job.id, "deferred", clock.now, {"to": ["bos", "kasir"], "resend_to": ["kasir"]}
-    )
+    await store.retry(job, "deferred", clock.now, {"to": ["bos", "kasir"], "resend_to": ["kasir"]})
     (again,) = await store.claim(1, 60)
     assert again.payload == {"to": ["bos", "kasir"], "resend_to": ["kasir"]}
     # A plain failure keeps what is left; a failed job keeps it for an admin's retry.
-    await store.retry(again.id, "SMTP 451", clock.now)
+    await store.retry(again, "SMTP 451", clock.now)
     (third,) = await store.claim(1, 60)
     assert third.payload == again.payload
-    await store.fail(third.id, "deferred again", {"resend_to": []})
+    await store.fail(third, "deferred again", {"resend_to": []})
     failed = await store.get_job(job.id)
     assert failed is not None and failed.state == "failed"
     assert failed.payload == {"resend_to": []}
 
 
+async def test_a_late_outcome_of_a_claim_no_longer_held_changes_nothing(
+    store: Store, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Host A's write arrives after its lease ran out and host B claimed the job
+    # again (a stalled network): it must neither hand the job to a third
+    # worker while B runs it, nor undo B's result.
+    job_id = await store.enqueue(NewJob("k", {}, 5))
+    (as_a,) = await store.claim(1, 60)
+    clock.now += 61
+    (as_b,) = await store.claim(1, 60)
+    assert (as_b.id, as_b.attempts) == (job_id, 2)
+    with caplog.at_level(logging.WARNING, logger="toko.store"):
+        await store.retry(as_a, "late", clock.now)
+        await store.fail(as_a, "late")
+        await store.release([as_a])
+        assert await store.claim(5, 60) == []  # still B's
+        await store.complete([as_b])
+        await store.complete([as_a])
+        await store.retry(as_a, "later still", clock.now)
+    job = await store.get_job(job_id)
+    assert job is not None and (job.state, job.attempts, job.last_error) == ("done", 2, None)
+    assert sum("not recorded" in r.getMessage() for r in caplog.records) == 4
+
+
 async def test_fail_keeps_a_dead_letter(store: Store) -> None:
     await store.enqueue(NewJob("k", {}, 1))
     (job,) = await store.claim(1, 60)
-    await store.fail(job.id, "SMTP 550: no such user")
+    await store.fail(job, "SMTP 550: no such user")
     failed = await store.get_job(job.id)
     assert failed is not None and failed.state == "failed"
     assert failed.last_error == "SMTP 550: no such user"
@@ -477,7 +500,7 @@ async def test_fail_keeps_a_dead_letter(store: Store) -> None:
 async def test_release_returns_unstarted_jobs_without_an_attempt(store: Store) -> None:
     await store.enqueue(NewJob("k", {}, 3))
     (job,) = await store.claim(1, 60)
-    await store.release([job.id])
+    await store.release([job])
     (again,) = await store.claim(1, 60)
     assert again.attempts == 1
 
