@@ -51,10 +51,18 @@ def cli_environment(
     if path is None:
         return dict(environ)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as exc:
         hint = " (run as the service user: sudo -u toko ...)" if exc.errno == 13 else ""
         raise EnvFileError(f"cannot read {path}: {exc.strerror}{hint}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        # Where, not what: the bytes would not print, and the line may hold a secret.
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise EnvFileError(
+            f"{path}:{line}: not UTF-8 text (byte {exc.start} of the file); save it as UTF-8"
+        ) from None
     merged = {**parse_env_file(text, str(path)), **environ}
     # The units' StateDirectory= is where the default database lives.
     merged.setdefault("STATE_DIRECTORY", INSTALLED_STATE_DIRECTORY)

@@ -201,6 +201,17 @@ async def test_usage_errors_and_env_file(tmp_path: Path) -> None:
     assert refused.returncode == 2 and "broken.env:1" in refused.stderr
 
 
+async def test_an_env_file_that_is_not_utf8_is_bad_configuration(tmp_path: Path) -> None:
+    # Saved by an editor in Latin-1: an é in the sender's address.
+    env_file = tmp_path / "toko.env"
+    env_file.write_bytes(b"TOKO_WORKERS=2\nTOKO_MAIL_FROM=caf\xe9@toko.test\n")
+    refused = await run("toko-queue", "--env-file", str(env_file), "stats")
+    assert refused.returncode == 2, refused
+    assert refused.stderr.splitlines() == [
+        f"toko-queue: {env_file}:2: not UTF-8 text (byte 33 of the file); save it as UTF-8"
+    ]
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root can hand a file to another user")
 async def test_root_is_refused_on_the_service_users_database(tmp_path: Path) -> None:
     database = tmp_path / "toko.db"
