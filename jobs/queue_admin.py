@@ -9,7 +9,8 @@ README's "Running on several hosts" shows. A retried job runs at the running
 toko-api's next sweep (within a second).
 
 Exit status: 0 done, 1 failed (unknown job, job neither failed nor waiting,
-store error), 2 bad usage or configuration.
+store error, or the reader of its output stopped early, as ``| head`` does:
+no traceback then), 2 bad usage or configuration.
 """
 
 from __future__ import annotations
@@ -258,7 +259,16 @@ def main(argv: list[str] | None = None) -> int:
         suffix = f" ({hint})" if hint else ""
         print(f"{PROG}: {exc}{suffix}", file=sys.stderr)
         return 1
-    print(json.dumps(data, ensure_ascii=False, indent=2) if args.json else text)
+    try:
+        print(json.dumps(data, ensure_ascii=False, indent=2) if args.json else text)
+        # Flushed here: at exit, a failed flush is a message and exit 120.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped early (| head): as the Python docs advise for
+        # SIGPIPE, point stdout at devnull so the flush at exit fails no more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     return 0
 
 

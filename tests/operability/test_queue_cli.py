@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +15,7 @@ from service import __version__
 from service.models import NewJob
 from service.store.sqlite import SqliteStore
 from tests.conftest import ServiceFactory
-from tests.operability.cli import run
+from tests.operability.cli import BIN, environment, run
 from tests.support import db
 from tests.support.api import create_products
 from tests.support.smtp import SmtpServer
@@ -163,6 +164,56 @@ async def test_list_and_show_escape_control_characters(tmp_path: Path) -> None:
         assert shown.returncode == 0, shown
         assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout
         assert "\\x1b]0;pwned\\x07" in shown.stdout, shown.stdout
+
+
+def read_then_close(fd: int, lines: int) -> list[bytes]:
+    with open(fd, "rb") as reader:
+        return [reader.readline() for _ in range(lines)]
+
+
+async def queue_into_closed_pipe(env: dict[str, str], *args: str, keep: int) -> tuple[int, str]:
+    """``toko-queue args | head -<keep>``: the exit status and stderr.
+
+    With ``keep=0`` the pipe has no reader from the start, as after a ``head``
+    that read its lines before the command wrote.
+    """
+    read_end, write_end = os.pipe()
+    if keep == 0:
+        os.close(read_end)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            str(BIN / "toko-queue"),
+            *args,
+            env=environment(env),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=write_end,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    finally:
+        os.close(write_end)
+    if keep:
+        kept = await asyncio.to_thread(read_then_close, read_end, keep)
+        assert kept[0].startswith(b"ID "), kept
+    async with asyncio.timeout(30):
+        _, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, err.decode()
+
+
+async def test_output_into_a_pipe_closed_early_ends_quietly(tmp_path: Path) -> None:
+    database = tmp_path / "toko.db"
+    store = SqliteStore(str(database))
+    await store.open()
+    try:
+        # More than a pipe holds (64 KiB), so the write fails while printing.
+        await asyncio.gather(*(store.enqueue(NewJob("email", {}, 1)) for _ in range(2000)))
+    finally:
+        await store.close()
+    env = {"TOKO_DATABASE": str(database)}
+    listing = ("list", "--state", "pending", "--limit", "10000")
+    # No traceback, no "Exception ignored": exit 1 as Python's own for EPIPE.
+    assert await queue_into_closed_pipe(env, *listing, keep=2) == (1, "")
+    assert await queue_into_closed_pipe(env, "stats", keep=0) == (1, "")
 
 
 async def test_usage_errors_and_env_file(tmp_path: Path) -> None:
