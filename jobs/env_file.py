@@ -43,11 +43,19 @@ def cli_environment(
     """``environ`` plus the env file's values (the caller's own variables win).
 
     Without ``env_file``, /etc/toko/toko.env is used when it exists and the
-    caller did not name a database (``TOKO_DATABASE``) themselves.
+    caller did not name a database (``TOKO_DATABASE``) themselves; when it
+    does not exist, the database is still the installed service's if
+    /var/lib/toko exists.
     """
     path: Path | None = Path(env_file) if env_file else None
     if path is None and use_default and "TOKO_DATABASE" not in environ:
-        path = DEFAULT_ENV_FILE if DEFAULT_ENV_FILE.exists() else None
+        if DEFAULT_ENV_FILE.exists():
+            path = DEFAULT_ENV_FILE
+        elif Path(INSTALLED_STATE_DIRECTORY).is_dir():
+            # The units read the file only if it is there (EnvironmentFile=-);
+            # toko-api then still keeps its database in StateDirectory=, not
+            # ./var. A development machine has no such directory: ./var it is.
+            return {"STATE_DIRECTORY": INSTALLED_STATE_DIRECTORY, **environ}
     if path is None:
         return dict(environ)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from jobs import env_file, queue_admin
 from service import __version__
 from service.models import NewJob
 from service.store.sqlite import SqliteStore
@@ -261,6 +263,39 @@ async def test_an_env_file_that_is_not_utf8_is_bad_configuration(tmp_path: Path)
     assert refused.stderr.splitlines() == [
         f"toko-queue: {env_file}:2: not UTF-8 text (byte 33 of the file); save it as UTF-8"
     ]
+
+
+def test_without_the_env_file_the_installed_database_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Installed, but /etc/toko/toko.env removed (the units read it only if it
+    # is there): toko-api keeps its database in its state directory.
+    state = tmp_path / "var-lib-toko"
+    state.mkdir()
+
+    async def queue_one() -> None:
+        store = SqliteStore(str(state / "toko.db"))
+        await store.open()
+        try:
+            await store.enqueue(NewJob("email", {}, 1))
+        finally:
+            await store.close()
+
+    asyncio.run(queue_one())
+    monkeypatch.setattr(env_file, "DEFAULT_ENV_FILE", tmp_path / "toko.env")
+    monkeypatch.setattr(env_file, "INSTALLED_STATE_DIRECTORY", str(state))
+    for name in [n for n in os.environ if n.startswith("TOKO_")] + ["STATE_DIRECTORY"]:
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # an admin's shell, in their home
+    assert queue_admin.main(["stats", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["by_kind"]["email"]["pending"] == 1, stats
+
+    # A development machine, with no installed state directory: ./var as before.
+    monkeypatch.setattr(env_file, "INSTALLED_STATE_DIRECTORY", str(tmp_path / "not-installed"))
+    assert queue_admin.main(["stats"]) == 1
+    assert capsys.readouterr().err.startswith("toko-queue: no database at var/toko.db ")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root can hand a file to another user")
