@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import configparser
+import re
+import shlex
 from pathlib import Path
 
+from service.store.sqlite import SqliteStore
 from tests.conftest import ServiceFactory
 from tests.operability.cli import run
 from tests.support import db
@@ -57,6 +60,28 @@ async def test_alert_logs_even_when_the_store_is_unusable(tmp_path: Path) -> Non
     errors = [r for r in result.log_records() if r["level"] == "ERROR"]
     assert errors[0]["UNIT"] == "toko-recap.service"  # the journal entry came first
     assert "could not queue the alert email" in result.stderr
+
+
+async def test_a_unit_named_with_a_leading_dash_reaches_the_alert(tmp_path: Path) -> None:
+    # The command line toko-alert@.service runs for the root file system's
+    # -.mount, MONITOR_* unset (as systemd before 251 leaves them).
+    (exec_start,) = [
+        line.removeprefix("ExecStart=")
+        for line in (UNITS / "toko-alert@.service").read_text().splitlines()
+        if line.startswith("ExecStart=")
+    ]
+    command, *args = shlex.split(re.sub(r"\$\{\w+\}", "", exec_start.replace("%i", "-.mount")))
+    assert command == "/opt/toko/venv/bin/toko-alert"
+    database = tmp_path / "toko.db"
+    store = SqliteStore(str(database))
+    await store.open()
+    await store.close()
+    result = await run("toko-alert", *args, env={"TOKO_DATABASE": str(database)})
+    assert result.returncode == 0, result
+    (entry,) = [r for r in result.log_records() if r["level"] == "ERROR"]
+    assert entry["UNIT"] == "-.mount" and entry["message"] == "-.mount failed"
+    (job,) = db.jobs(database)
+    assert job["kind"] == "alert_email"
 
 
 def test_alert_unit_matches_the_timer_jobs() -> None:
