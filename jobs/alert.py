@@ -5,7 +5,8 @@ on toko-recap and toko-backup. It logs at error priority with the failed
 unit's name in the field ``UNIT=`` (``journalctl -p err UNIT=toko-backup.service``)
 and queues an ``alert_email`` job; toko-api's workers send it to
 TOKO_ADMIN_EMAIL like any other email, with retries. The journal entry comes
-first, so even a store that cannot take the job leaves a trace.
+first, so even a store that cannot take the job leaves a trace; a SQLite
+file that does not exist is not created (exit 1, like toko-recap).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import socket
 import time
 
-from jobs.common import JobFailed, run_job
+from jobs.common import JobFailed, require_database, run_job
 from service.models import iso_utc
 from service.settings import Settings
 from service.store import open_store
@@ -52,8 +53,12 @@ def _main(args: argparse.Namespace, settings: Settings) -> int:
     }
     log.error("%s failed", failure.unit, extra=fields)
     try:
+        if not settings.is_postgres:
+            # As toko-recap does: an email queued into a new, empty database
+            # would never be sent, yet the run would say it was queued.
+            require_database(settings.database)
         job_id = asyncio.run(enqueue_alert(settings, failure))
-    except StoreError as exc:
+    except (JobFailed, StoreError) as exc:
         raise JobFailed(f"could not queue the alert email for {failure.unit}: {exc}") from exc
     log.info("alert email queued", extra={"UNIT": failure.unit, "JOB_ID": job_id})
     return 0

@@ -49,17 +49,29 @@ async def test_alert_is_logged_and_mailed(
 
 
 async def test_alert_logs_even_when_the_store_is_unusable(tmp_path: Path) -> None:
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("")
-    result = await run(
-        "toko-alert",
-        "toko-recap.service",
-        env={"TOKO_DATABASE": str(blocker / "toko.db")},
-    )
+    database = tmp_path / "toko.db"
+    database.write_bytes(b"not a database " * 100)
+    result = await run("toko-alert", "toko-recap.service", env={"TOKO_DATABASE": str(database)})
     assert result.returncode == 1
     errors = [r for r in result.log_records() if r["level"] == "ERROR"]
     assert errors[0]["UNIT"] == "toko-recap.service"  # the journal entry came first
     assert "could not queue the alert email" in result.stderr
+
+
+async def test_alert_refuses_a_database_that_does_not_exist(tmp_path: Path) -> None:
+    database = tmp_path / "var" / "toko.db"
+    result = await run("toko-alert", "toko-recap.service", env={"TOKO_DATABASE": str(database)})
+    assert result.returncode == 1, result
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(
+        f"toko-alert: could not queue the alert email for toko-recap.service: no database at "
+        f"{database} "
+    ), line
+    records = result.log_records()
+    assert [r["level"] for r in records] == ["ERROR", "ERROR"], records
+    assert records[0]["UNIT"] == "toko-recap.service"  # the journal entry came first
+    # Created, it would have taken an email that toko-api never sends.
+    assert not database.parent.exists()
 
 
 async def test_a_unit_named_with_a_leading_dash_reaches_the_alert(tmp_path: Path) -> None:
