@@ -5,8 +5,9 @@ on toko-recap and toko-backup. It logs at error priority with the failed
 unit's name in the field ``UNIT=`` (``journalctl -p err UNIT=toko-backup.service``)
 and queues an ``alert_email`` job; toko-api's workers send it to
 TOKO_ADMIN_EMAIL like any other email, with retries. The journal entry comes
-first, so even a store that cannot take the job leaves a trace; a SQLite
-file that does not exist is not created (exit 1, like toko-recap).
+first, so even a store that cannot take the job leaves a trace, and so do
+settings that cannot be read (exit 2); a SQLite file that does not exist is
+not created (exit 1, like toko-recap).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 
 from jobs.common import JobFailed, require_database, run_job
 from service.models import iso_utc
-from service.settings import Settings
+from service.settings import ConfigError, Settings
 from service.store import open_store
 from service.store.base import StoreError
 from service.tasks import UnitFailure, alert_email_job
@@ -36,7 +37,8 @@ async def enqueue_alert(settings: Settings, failure: UnitFailure) -> int:
         await store.close()
 
 
-def _main(args: argparse.Namespace, settings: Settings) -> int:
+def _log_failure(args: argparse.Namespace) -> UnitFailure:
+    """The journal entry, at error priority: written before anything can fail."""
     failure = UnitFailure(
         unit=args.unit,
         host=socket.gethostname(),
@@ -52,6 +54,18 @@ def _main(args: argparse.Namespace, settings: Settings) -> int:
         "EXIT_STATUS": failure.exit_status,
     }
     log.error("%s failed", failure.unit, extra=fields)
+    return failure
+
+
+def _without_settings(args: argparse.Namespace, exc: ConfigError) -> str:
+    # The failed job often failed on the very same setting (one bad line in
+    # toko.env fails every unit that reads it): its entry must still be written.
+    failure = _log_failure(args)
+    return f"could not queue the alert email for {failure.unit}: {exc}"
+
+
+def _main(args: argparse.Namespace, settings: Settings) -> int:
+    failure = _log_failure(args)
     try:
         if not settings.is_postgres:
             # As toko-recap does: an email queued into a new, empty database
@@ -80,4 +94,4 @@ def main() -> int:
     parser.add_argument("--result", default="", help="how it failed (exit-code, timeout, ...)")
     parser.add_argument("--exit-code", default="", help="exited, killed, dumped, ...")
     parser.add_argument("--exit-status", default="", help="the exit status or signal")
-    return run_job("toko-alert", parser, _main)
+    return run_job("toko-alert", parser, _main, without_settings=_without_settings)

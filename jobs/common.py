@@ -13,7 +13,7 @@ from types import FrameType
 
 from service import __version__
 from service.logs import setup_logging
-from service.settings import ConfigError, Settings
+from service.settings import ConfigError, Settings, output_is_journal
 
 
 class JobFailed(Exception):
@@ -57,15 +57,29 @@ def require_database(database: str) -> None:
 
 
 def run_job(
-    name: str, parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace, Settings], int]
+    name: str,
+    parser: argparse.ArgumentParser,
+    body: Callable[[argparse.Namespace, Settings], int],
+    *,
+    without_settings: Callable[[argparse.Namespace, ConfigError], str] | None = None,
 ) -> int:
-    """Parse arguments, load settings, run ``body``; failures end as one line and exit 1."""
+    """Parse arguments, load settings, run ``body``; failures end as one line and exit 1.
+
+    Bad settings end as one line and exit 2, logged at error priority too.
+    ``without_settings`` is what a job still does then; it returns the line.
+    """
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     args = parser.parse_args()
     try:
         settings = Settings.from_env(os.environ)
     except ConfigError as exc:
-        print(f"{name}: {exc}", file=sys.stderr)
+        # Logged with the default settings: under systemd the stderr line alone
+        # is an info-priority entry that `journalctl -p err` never shows.
+        defaults = Settings(journal=output_is_journal(os.environ.get("JOURNAL_STREAM")))
+        setup_logging(defaults.log_level, journal=defaults.journal, identifier=name)
+        message = str(exc) if without_settings is None else without_settings(args, exc)
+        logging.getLogger(f"toko.{name}").error("%s failed: %s", name, message)
+        print(f"{name}: {message}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, journal=settings.journal, identifier=name)
     try:

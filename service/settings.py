@@ -134,7 +134,7 @@ class Settings:
             job_retention=env.get("TOKO_JOB_RETENTION", _retention, 7 * 86400.0),
             notify_socket=environ.get("NOTIFY_SOCKET") or None,
             watchdog_interval=_watchdog_interval(environ),
-            journal=_output_is_journal(environ.get("JOURNAL_STREAM")),
+            journal=output_is_journal(environ.get("JOURNAL_STREAM")),
             fault_injection=env.get("TOKO_FAULT_INJECTION", _parse_bool, False),
             fault_block_seconds=env.get("TOKO_FAULT_BLOCK_SECONDS", _seconds(0.0, 600.0), 5.0),
         )
@@ -161,7 +161,7 @@ def _shown(raw: str) -> str:
     return f"{raw[:40]!r}... ({len(raw)} characters)"
 
 
-def _output_is_journal(stream: str | None) -> bool:
+def output_is_journal(stream: str | None) -> bool:
     """Whether stdout or stderr is the journal stream JOURNAL_STREAM names.
 
     systemd.exec(5): compare its ``device:inode`` with the descriptors. A

@@ -58,6 +58,38 @@ async def test_alert_logs_even_when_the_store_is_unusable(tmp_path: Path) -> Non
     assert "could not queue the alert email" in result.stderr
 
 
+async def test_alert_logs_even_when_the_settings_are_invalid(tmp_path: Path) -> None:
+    # toko.env edited badly: toko-recap failed on it, and toko-alert reads it too.
+    database = tmp_path / "toko.db"
+    store = SqliteStore(str(database))
+    await store.open()
+    await store.close()
+    result = await run(
+        "toko-alert",
+        "--result=exit-code",
+        "--exit-code=exited",
+        "--exit-status=2",
+        "toko-recap.service",
+        env={"TOKO_DATABASE": str(database), "TOKO_JOB_RETENTION": "30m"},
+    )
+    assert result.returncode == 2, result
+    assert result.stderr.splitlines() == [
+        "toko-alert: could not queue the alert email for toko-recap.service: "
+        "TOKO_JOB_RETENTION must be a duration of at least 1h, like 12h or 7d, got '30m'"
+    ]
+    entry, failed = result.log_records()
+    assert entry["level"] == "ERROR" and entry["message"] == "toko-recap.service failed"
+    fields = {k: v for k, v in entry.items() if k.isupper()}
+    assert fields == {
+        "UNIT": "toko-recap.service",
+        "SERVICE_RESULT": "exit-code",
+        "EXIT_CODE": "exited",
+        "EXIT_STATUS": "2",
+    }
+    assert failed["level"] == "ERROR" and "TOKO_JOB_RETENTION" in failed["message"], failed
+    assert db.jobs(database) == []
+
+
 async def test_alert_refuses_a_database_that_does_not_exist(tmp_path: Path) -> None:
     database = tmp_path / "var" / "toko.db"
     result = await run("toko-alert", "toko-recap.service", env={"TOKO_DATABASE": str(database)})

@@ -21,6 +21,21 @@ async def test_recap_refuses_a_database_that_does_not_exist(tmp_path: Path) -> N
     assert not database.parent.exists()
 
 
+async def test_bad_settings_are_logged_at_error_priority(tmp_path: Path) -> None:
+    database = tmp_path / "toko.db"
+    await new_database(database)
+    env = {"TOKO_DATABASE": str(database), "TOKO_JOB_RETENTION": "30m"}
+    result = await run("toko-recap", env=env)
+    assert result.returncode == 2, result
+    expected = "TOKO_JOB_RETENTION must be a duration of at least 1h, like 12h or 7d, got '30m'"
+    assert result.stderr.splitlines() == [f"toko-recap: {expected}"]
+    # Under systemd the stderr line is an info-priority entry: logged, so that
+    # `journalctl -p err` shows it.
+    (record,) = result.log_records()
+    assert record["level"] == "ERROR", record
+    assert record["message"] == f"toko-recap failed: {expected}", record
+
+
 async def new_database(path: Path) -> None:
     store = SqliteStore(str(path))
     await store.open()
