@@ -98,9 +98,14 @@ async def _json_body(request: web.Request) -> bytes:
     # A declared length over the limit is refused at once, before any of the
     # body is read: the client may be waiting for an answer before it sends it.
     # (A compressed body's limit is on what it decodes to: read it to know.)
+    # The connection then closes once aiohttp has read and dropped what does
+    # arrive (its lingering close, 10 s at most): closing on unread data would
+    # send a reset that can reach the client before the 413 does.
     limit = request.app[SETTINGS].max_body_bytes
     if coding in ("", "identity") and (request.content_length or 0) > limit:
-        raise Refused(abandon_body(request, json_error(413, body_too_large(limit))))
+        too_large = json_error(413, body_too_large(limit))
+        too_large.force_close()
+        raise Refused(too_large)
     # Usually the whole body came with the headers. One still arriving gets
     # TOKO_CLIENT_TIMEOUT, so a client trickling it cannot hold a handler forever.
     if request.content.is_eof():

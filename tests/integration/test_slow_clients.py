@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -77,9 +78,13 @@ async def test_a_declared_body_over_the_limit_is_refused_before_it_arrives(
             b"POST /produk HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 1000000\r\n\r\n"
         )
-        raw = await read_until_closed(reader)
+        async with asyncio.timeout(CLOSE_WITHIN_S):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])  # type: ignore[index]
+            raw = head + await reader.readexactly(length)
     resp = http.parse_response(raw)
     assert resp.status == 413, resp
+    assert resp.headers.get("connection", "").lower() == "close", resp
     assert "the limit is 65536 bytes" in json.loads(resp.body)["error"]
     assert db.product_count(api.database) == 0
 
