@@ -91,6 +91,14 @@ class Job:
     last_error: str | None = None
 
 
+def job_fields(job: Job) -> dict[str, object]:
+    """Structured log fields for a job (journal fields under systemd)."""
+    fields: dict[str, object] = {"JOB_ID": job.id, "JOB_KIND": job.kind, "ATTEMPT": job.attempts}
+    if "product_id" in job.payload:
+        fields["PRODUCT_ID"] = job.payload["product_id"]
+    return fields
+
+
 class PartlyDone(Exception):
     """An attempt that did part of its job. It is retried like any failure, but
     the next attempt gets ``payload``, which says only what is left to do (the

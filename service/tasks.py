@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from service.mail import Email, Mailer, RecipientsDeferred
-from service.models import Job, NewJob, PartlyDone, Product
+from service.models import Job, NewJob, PartlyDone, Product, job_fields
 
 PRODUCT_EMAIL = "product_email"
 RECAP_EMAIL = "recap_email"
@@ -137,11 +137,3 @@ HANDLERS: dict[str, Handler] = {
     RECAP_EMAIL: send_recap_email,
     ALERT_EMAIL: send_alert_email,
 }
-
-
-def job_fields(job: Job) -> dict[str, object]:
-    """Structured log fields for a job (journal fields under systemd)."""
-    fields: dict[str, object] = {"JOB_ID": job.id, "JOB_KIND": job.kind, "ATTEMPT": job.attempts}
-    if "product_id" in job.payload:
-        fields["PRODUCT_ID"] = job.payload["product_id"]
-    return fields

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
 from service.logs import Throttle
-from service.models import Job, NewJob, PartlyDone, leased_job, printable_text
+from service.models import Job, NewJob, PartlyDone, job_fields, leased_job, printable_text
 from service.store.base import Store, StoreError
-from service.tasks import Handler, JobContext, job_fields
+from service.tasks import Handler, JobContext
 
 log = logging.getLogger("toko.worker")
 

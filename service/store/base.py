@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
-from service.models import Job, NewJob, Product, QueueCounts
+from service.models import Job, NewJob, Product, QueueCounts, job_fields
 
 log = logging.getLogger("toko.store")
 
@@ -28,15 +28,7 @@ def without_abandoned(jobs: list[Job]) -> list[Job]:
     """The jobs of a claim or recovery, less those it kept as failed (logged here)."""
     for job in jobs:
         if job.state == "failed":
-            log.error(
-                "job failed permanently",
-                extra={
-                    "JOB_ID": job.id,
-                    "JOB_KIND": job.kind,
-                    "ATTEMPT": job.attempts,
-                    "ERROR": ABANDONED_ERROR,
-                },
-            )
+            log.error("job failed permanently", extra={**job_fields(job), "ERROR": ABANDONED_ERROR})
     return [job for job in jobs if job.state != "failed"]
 
 

@@ -17,7 +17,6 @@ complete. A restore keeps the database it replaces, synced before the swap.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from service.store.sqlite import SqliteStore
 from service.tasks import product_email_job
 from tests.conftest import ServiceFactory
 from tests.support.api import wait_healthy
+from tests.support.service import clean_environment
 from tests.support.syscalls import SYNCS, numbered, synced, trace_command, traced, where
 
 # The request comes in with recvfrom; the answer goes out with send (sendto)
@@ -125,14 +125,9 @@ async def _a_shop_with_backups(tmp_path: Path) -> dict[str, str]:
         await store.create_product("Kopi", 1, lambda p: product_email_job(p, 3))
     finally:
         await store.close()
-    return {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "LANG": "C.UTF-8",
-        # PYTHONPATH=<checkout> (a worktree): run that checkout's code, not the installed.
-        **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
-        "TOKO_DATABASE": str(tmp_path / "toko.db"),
-        "TOKO_BACKUP_DIR": str(tmp_path / "backups"),
-    }
+    return clean_environment(
+        TOKO_DATABASE=str(tmp_path / "toko.db"), TOKO_BACKUP_DIR=str(tmp_path / "backups")
+    )
 
 
 async def test_a_backup_is_on_disk_before_it_gets_its_name(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from tests.support import db
 from tests.support.api import create_product, create_products, healthz, wait_healthy
 from tests.support.faults import FATAL_PRODUCT, FATAL_WRITER
 from tests.support.notify import Notification
-from tests.support.service import TOKO_API
+from tests.support.service import TOKO_API, clean_environment
 from tests.support.smtp import SmtpServer
 
 STATUS_RE = re.compile(r"pending=\d+ running=\d+ failed=\d+ workers=\d+/\d+")
@@ -353,13 +353,7 @@ def test_a_passed_socket_that_is_no_listening_stream_stops_start_up_in_one_line(
         script = f'exec 3<&{fd} {fd}<&-; LISTEN_FDS=1 LISTEN_PID=$$ exec "$0"'
         started = subprocess.run(
             ["bash", "-c", script, str(TOKO_API)],  # dash takes single-digit fds only
-            env={
-                "PATH": "/usr/bin:/bin",
-                "LANG": "C.UTF-8",
-                "TOKO_DATABASE": str(tmp_path / "toko.db"),
-                # PYTHONPATH=<checkout> (a worktree): run that checkout's code.
-                **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
-            },
+            env=clean_environment(TOKO_DATABASE=str(tmp_path / "toko.db")),
             pass_fds=(fd,),
             capture_output=True,
             text=True,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.service import clean_environment
 
 BIN = Path(sys.executable).parent
 
@@ -43,13 +44,7 @@ class Completed:
 
 def environment(env: dict[str, str] | None = None) -> dict[str, str]:
     """A clean environment plus ``env``, as the commands get it."""
-    return {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "LANG": "C.UTF-8",
-        # PYTHONPATH=<checkout> (a worktree): run that checkout's code, not the installed.
-        **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
-        **(env or {}),
-    }
+    return clean_environment(**(env or {}))
 
 
 async def run(

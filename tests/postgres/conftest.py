@@ -3,7 +3,6 @@ and the toko timer jobs as real subprocesses pointed at it."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.postgres import PostgresCluster, acquire_cluster, release_cluster
+from tests.support.service import clean_environment
 
 BIN = Path(sys.executable).parent
 
@@ -47,14 +47,7 @@ def tool_command(name: str, *args: str) -> list[str]:
 
 def clean_env(workdir: Path, env: Mapping[str, str]) -> dict[str, str]:
     """The clean environment ServiceProcess also gives toko-api."""
-    return {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "LANG": "C.UTF-8",
-        "HOME": str(workdir),
-        # PYTHONPATH=<checkout> (a worktree): run that checkout's code, not the installed.
-        **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
-        **env,
-    }
+    return clean_environment(HOME=str(workdir), **env)
 
 
 def run_tool(

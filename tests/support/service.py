@@ -58,6 +58,19 @@ def free_port() -> int:
         return port
 
 
+def clean_environment(**extra: str) -> dict[str, str]:
+    """What every toko command the tests start gets, as an admin's shell would
+    give it: PATH and LANG only, plus ``extra``. And PYTHONPATH when the tests
+    have one: from a worktree (PYTHONPATH=<checkout>), the commands run that
+    checkout's code, not the installed one."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "LANG": "C.UTF-8",
+        **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
+        **extra,
+    }
+
+
 class ServiceProcess:
     def __init__(
         self,
@@ -80,15 +93,11 @@ class ServiceProcess:
         self.port_accepting_at_ready: bool | str | None = None
         if notify:
             self.notify = NotifyListener(hooks=[self._check_port_on_ready])
-        self.env: dict[str, str] = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "LANG": "C.UTF-8",
-            "HOME": str(workdir),
-            # PYTHONPATH=<checkout> (a worktree): run that checkout's code, not the installed.
-            **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
-            "TOKO_LISTEN": f"127.0.0.1:{self.port}",
-            "TOKO_DATABASE": str(self.database),
-        }
+        self.env = clean_environment(
+            HOME=str(workdir),
+            TOKO_LISTEN=f"127.0.0.1:{self.port}",
+            TOKO_DATABASE=str(self.database),
+        )
         if self.notify is not None:
             self.env["NOTIFY_SOCKET"] = self.notify.path
         if watchdog_usec is not None:
