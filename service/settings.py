@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from email.utils import parseaddr
@@ -325,11 +326,24 @@ def _smtp_password(environ: Mapping[str, str]) -> str | None:
     return _secret_file(environ, "TOKO_SMTP_PASSWORD_FILE", "smtp-password")
 
 
+# What no HTTP header value can carry (RFC 9110 field-value): the C0 controls
+# but the tab, and DEL. A line break inside a token file (base64 wraps at 76)
+# is the usual one.
+_NOT_IN_A_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
 def _api_token(environ: Mapping[str, str]) -> str | None:
     token = _secret_file(environ, "TOKO_API_TOKEN_FILE", "api-token")
     if token is not None and not token:
         # An empty file would let an empty Bearer token in; refuse rather than guess.
         raise ConfigError("the API token (TOKO_API_TOKEN_FILE or credential api-token) is empty")
+    if token is not None and _NOT_IN_A_HEADER.search(token):
+        # No client could send it, so every write would get a 401 that blames the client.
+        raise ConfigError(
+            "the API token (TOKO_API_TOKEN_FILE or credential api-token) has a line break or "
+            "another control character inside, which no Authorization header can carry; "
+            "write the token on one line"
+        )
     return token
 
 

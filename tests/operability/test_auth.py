@@ -127,6 +127,41 @@ async def test_an_empty_token_file_stops_start_up(tmp_path: Path) -> None:
     assert "TOKO_API_TOKEN_FILE" in result.stderr and len(result.stderr.splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "content",
+    [
+        # `head -c 64 /dev/urandom | base64` wraps its output at 76 characters.
+        f"{TOKEN}{TOKEN}\n{TOKEN}\n",
+        f"{TOKEN}\r\n# written by hand\n",
+        f"{TOKEN}\x00{TOKEN}",
+        f"{TOKEN}\x7f",
+    ],
+    ids=["wrapped", "a second line", "NUL", "DEL"],
+)
+async def test_a_token_no_header_can_carry_stops_start_up(tmp_path: Path, content: str) -> None:
+    # Such a token got every write a 401 "not valid", whatever the client sent.
+    token_file = tmp_path / "api-token"
+    token_file.write_text(content)
+    result = await run(
+        "toko-api",
+        "--check-config",
+        env={"TOKO_API_TOKEN_FILE": str(token_file), "TOKO_DATABASE": str(tmp_path / "t.db")},
+    )
+    assert result.returncode == 2, result
+    assert "TOKO_API_TOKEN_FILE" in result.stderr and "one line" in result.stderr, result
+    assert len(result.stderr.splitlines()) == 1, result
+    assert TOKEN[4:20] not in result.stderr + result.stdout
+
+
+def test_a_token_with_a_tab_or_space_inside_is_taken_as_written(tmp_path: Path) -> None:
+    # A header carries both, and presented_token keeps what is inside.
+    token_file = tmp_path / "api-token"
+    token_file.write_text(f"{TOKEN}\t{TOKEN} x\n")
+    settings = Settings.from_env({"TOKO_API_TOKEN_FILE": str(token_file)})
+    assert settings.api_token == f"{TOKEN}\t{TOKEN} x"
+    assert presented_token(f"Bearer {settings.api_token}") == settings.api_token
+
+
 def test_token_is_not_in_the_settings_repr(token_file: Path) -> None:
     settings = Settings.from_env({"TOKO_API_TOKEN_FILE": str(token_file)})
     assert settings.api_token == TOKEN
