@@ -21,7 +21,10 @@ from service.workers import JobOutcome
 KNOWN_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE"})
 UNMATCHED = "unmatched"
 # Requests are quick (a group commit is a few ms); jobs are SMTP round trips.
-REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# 0.02 (not the usual 0.025) is the p99 target of a POST (README, Benchmarks):
+# with an edge there, the share of requests that met it is a count, and
+# histogram_quantile's p99 is at most 20 ms exactly when 99 % met it.
+REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # The classic text format every Prometheus (and prometheus-client >= 0.17) speaks;
 # our metric names need nothing newer.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
