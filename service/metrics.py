@@ -136,9 +136,14 @@ class Metrics:
     def set_queue(self, counts: QueueCounts | None) -> None:
         """Queue figures from the store; None when the store did not answer."""
         self.store_up.set(0 if counts is None else 1)
-        if counts is not None:
-            for state in JOB_STATES:
-                self.queue_jobs.labels(state).set(getattr(counts, state))
+        if counts is None:
+            # No figures rather than the last ones: a scrape must not report
+            # as current a queue nobody could read (alerts on it would neither
+            # fire nor resolve while the store is down).
+            self.queue_jobs.clear()
+            return
+        for state in JOB_STATES:
+            self.queue_jobs.labels(state).set(getattr(counts, state))
 
     def set_writable(self, writable: bool) -> None:
         self.store_writable.set(1 if writable else 0)

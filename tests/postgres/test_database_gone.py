@@ -1,7 +1,7 @@
 """The database goes away under toko-api and stays away (dropped, or a server
-that does not come back): /healthz and `systemctl status` say so, the journal
-gets a sample of the failures rather than one line a second, and a SIGTERM
-still ends it cleanly."""
+that does not come back): /healthz, /metrics and `systemctl status` say so,
+the journal gets a sample of the failures rather than one line a second, and
+a SIGTERM still ends it cleanly."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from tests.conftest import ServiceFactory
 from tests.postgres.conftest import pg_env
 from tests.support.api import create_products, healthz
 from tests.support.postgres import PostgresCluster
+from tests.support.scrape import scrape
 
 STATUS_SECONDS = 5  # service.runner's STATUS= cadence
 THROTTLE_S = 10  # service.logs.Throttle's interval
@@ -52,5 +53,26 @@ async def test_a_database_that_is_gone_shows_in_health_and_status(
     for message in ("claiming jobs failed", "status update failed", "LISTEN connection failed"):
         lines = [r for r in api.logs.snapshot() if str(r.get("message")).startswith(message)]
         assert 1 <= len(lines) <= 2, (message, lines)
+    api.terminate()
+    assert await api.async_wait_exit(timeout=30) == 0
+
+
+async def test_metrics_show_no_queue_figures_while_the_store_is_down(
+    service_factory: ServiceFactory, pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    api = service_factory(pg_env(pg_cluster, pg_url)).start()
+    await api.async_wait_ready(timeout=30)
+    async with aiohttp.ClientSession() as session:
+        await create_products(session, api.base_url, ["sebelum"])
+        before = await scrape(session, api.base_url)
+        assert before.value("toko_store_up") == 1
+        assert ("toko_queue_jobs", frozenset({("state", "pending")})) in before.samples
+
+        await pg_cluster.async_drop_database(pg_url)
+        after = await scrape(session, api.base_url)
+    assert after.value("toko_store_up") == 0
+    # Not the figures of the last scrape that worked, as if they were current.
+    stale = [key for key in after.samples if key[0] == "toko_queue_jobs"]
+    assert stale == [], after.samples
     api.terminate()
     assert await api.async_wait_exit(timeout=30) == 0
