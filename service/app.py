@@ -33,7 +33,7 @@ def make_mailer(settings: Settings) -> Mailer:
 
 
 def create_app(settings: Settings, notifier: Notifier | None = None) -> web.Application:
-    metrics = Metrics()
+    metrics = Metrics(kinds=HANDLERS)
     # Outermost first: metrics see every answer, including the JSON errors and 401s.
     middlewares = [metrics.middleware, json_errors]
     auth = bearer_auth(settings.api_token)

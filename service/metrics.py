@@ -10,6 +10,7 @@ set become "OTHER", job kinds are the handlers' kinds.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -20,6 +21,7 @@ from service.workers import JobOutcome
 
 KNOWN_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE"})
 UNMATCHED = "unmatched"
+OUTCOMES: tuple[JobOutcome, ...] = ("succeeded", "retried", "failed")
 # Requests are quick (a group commit is a few ms); jobs are SMTP round trips.
 # 0.02 (not the usual 0.025) is the p99 target of a POST (README, Benchmarks):
 # with an edge there, the share of requests that met it is a count, and
@@ -42,7 +44,7 @@ def route_label(request: web.Request) -> str:
 class Metrics:
     """The instruments of one app; also the worker pool's job observer."""
 
-    def __init__(self) -> None:
+    def __init__(self, kinds: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -78,7 +80,7 @@ class Metrics:
                 ["kind"],
                 registry=r,
             )
-            for outcome in ("succeeded", "retried", "failed")
+            for outcome in OUTCOMES
         }
         self.job_seconds = Histogram(
             "toko_job_duration_seconds",
@@ -112,6 +114,22 @@ class Metrics:
         self._enqueued_children: dict[str, Counter] = {}
         # The same for every request: one dict lookup instead of two .labels().
         self._request_children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
+        for kind in kinds:
+            self._export_zeros(kind)
+
+    def _export_zeros(self, kind: str) -> None:
+        """Every series of a job kind, at 0 from the start.
+
+        A series that first appears at 1 has no earlier sample, so Prometheus'
+        increase() and rate() see no change: the first failed email after a
+        start would never fire an alert on toko_jobs_failed_total.
+        """
+        for outcome in OUTCOMES:
+            self._job_children[(kind, outcome)] = (
+                self._outcome_counters[outcome].labels(kind),
+                self.job_seconds.labels(kind, outcome),
+            )
+        self._enqueued_children[kind] = self.jobs_enqueued.labels(kind)
 
     # the worker pool's observer (hot path: keep it to two cached calls) ------------
     def job_finished(self, kind: str, outcome: JobOutcome, seconds: float) -> None:
