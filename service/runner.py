@@ -65,7 +65,11 @@ async def serve(settings: Settings) -> None:
     started = time.monotonic()
     open_files = raise_open_files_limit()
     logging.getLogger("aiohttp.server").addFilter(ClientProtocolErrors())
-    await runner.setup()  # opens the store and starts the pool (cleanup_ctx)
+    if not await _set_up_unless_stopped(runner, stop):
+        notifier.stopping("stopping: asked to stop during start-up")
+        notifier.close()
+        log.info("start-up stopped: asked to stop before ready")
+        return
     side_tasks: list[asyncio.Task[None]] = []
     sockets: list[socket.socket] = []
     try:
@@ -114,6 +118,30 @@ async def serve(settings: Settings) -> None:
         await runner.cleanup()  # drains requests, then jobs, then closes the store
         notifier.close()
     log.info("stopped")
+
+
+async def _set_up_unless_stopped(runner: web.AppRunner, stop: asyncio.Event) -> bool:
+    """Open the store and start the pool (cleanup_ctx); False if asked to stop first.
+
+    Start-up can wait a long time (PostgreSQL not reachable yet, a migration
+    lock held by a restore): a SIGTERM then must end it, not wait for it, or
+    `systemctl stop` hangs until TimeoutStopSec= and systemd's SIGKILL. What
+    was opened already (the store) is closed again.
+    """
+    setup = asyncio.create_task(runner.setup(), name="toko-setup")
+    stop_wait = asyncio.create_task(stop.wait(), name="toko-stop")
+    await asyncio.wait([setup, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+    if not stop.is_set():
+        stop_wait.cancel()
+        await setup  # its failure (a StoreError, say) is start-up's failure
+        return True
+    setup.cancel()
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            await setup
+    finally:
+        await runner.cleanup()
+    return False
 
 
 async def _wait_for_stop(stop: asyncio.Event, supervised: list[asyncio.Task[None]]) -> None:

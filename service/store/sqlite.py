@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import queue
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,12 +46,16 @@ from service.store.migrations import migrate
 
 T = TypeVar("T")
 A = TypeVar("A")
+log = logging.getLogger("toko.store")
 
 _JOB_COLUMNS = "id, kind, payload, state, attempts, max_attempts, run_at, last_error"
 _DETAIL_COLUMNS = f"{_JOB_COLUMNS}, created_at, updated_at, lease_until"
 
 
 BUSY_TIMEOUT_SECONDS = 10.0
+# While another process writes at start (a toko-queue command, a sqlite3
+# shell), open() waits for it in slices this long: a stop ends the wait.
+OPEN_WAIT_SLICE_SECONDS = 0.1
 # After a failed write, the health probe wants this much room on the
 # database's filesystem before it calls the store writable again.
 PROBE_MIN_FREE = 1 << 20
@@ -91,6 +97,29 @@ def _use_wal(conn: sqlite3.Connection) -> None:
         delay = min(delay * 2, 0.1)
 
 
+def _migrate_when_free(conn: sqlite3.Connection, path: str, cancelled: threading.Event) -> None:
+    """migrate(), waiting up to the busy timeout for another process's write
+    transaction to end, in short slices so that ``cancelled`` ends the wait."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_SECONDS
+    conn.execute(f"PRAGMA busy_timeout = {int(OPEN_WAIT_SLICE_SECONDS * 1000)}")
+    said = False
+    while True:
+        try:
+            migrate(conn)
+            return
+        except sqlite3.OperationalError as exc:
+            busy = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_BUSY
+            if not busy or cancelled.is_set() or time.monotonic() >= deadline:
+                raise
+        if not said:
+            # Otherwise start-up just stalls, and an admin wonders why.
+            log.warning(
+                "database is locked by another process; waiting for it",
+                extra={"DATABASE": path, "WAIT_S": BUSY_TIMEOUT_SECONDS},
+            )
+            said = True
+
+
 def _details_from_row(row: Sequence[Any]) -> JobDetails:
     return JobDetails(
         job=job_from_row(row[:8]), created_at=row[8], updated_at=row[9], lease_until=row[10]
@@ -119,21 +148,29 @@ class SqliteStore:
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
         self._broken = loop.create_future()
+        # Set when open() is cancelled (a stop during start-up): the thread
+        # that waits for another process's write lock gives up at once, rather
+        # than hold the exit for the rest of the busy timeout.
+        cancelled = threading.Event()
         try:
-            await asyncio.to_thread(self._prepare)
+            await asyncio.to_thread(self._prepare, cancelled)
             self._writer.start()
             await asyncio.to_thread(self._open_readers)
         except (OSError, sqlite3.Error, RuntimeError) as exc:
             await self.close()
             raise StoreError(f"cannot open database {self.path}: {exc}") from exc
+        except asyncio.CancelledError:
+            cancelled.set()
+            await self.close()
+            raise
         self._readers = ThreadPoolExecutor(self._reader_count, "toko-sqlite-reader")
 
-    def _prepare(self) -> None:
+    def _prepare(self, cancelled: threading.Event) -> None:
         parent = Path(self.path).parent
         parent.mkdir(parents=True, exist_ok=True)
         conn = connect(self.path)
         try:
-            migrate(conn)
+            _migrate_when_free(conn, self.path, cancelled)
         finally:
             conn.close()
 

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from itertools import pairwise
 from pathlib import Path
 
@@ -23,12 +24,20 @@ import aiohttp
 import pytest
 
 from service import __version__
+from service.store.migrations import migrate
+from service.store.sqlite import connect
 from tests.conftest import ServiceFactory
 from tests.support import db
 from tests.support.api import create_product, create_products, healthz, wait_healthy
 from tests.support.faults import FATAL_PRODUCT, FATAL_WRITER
 from tests.support.notify import Notification
-from tests.support.service import TOKO_API, clean_environment
+from tests.support.service import (
+    TOKO_API,
+    LogRecord,
+    ServiceProcess,
+    clean_environment,
+    free_port,
+)
 from tests.support.smtp import SmtpServer
 
 STATUS_RE = re.compile(r"pending=\d+ running=\d+ failed=\d+ workers=\d+/\d+")
@@ -134,6 +143,69 @@ async def test_sigint_stops_cleanly(service_factory: ServiceFactory) -> None:
     await svc.notify.async_wait_for_field("STOPPING", "1", timeout=5)
     assert await svc.async_wait_exit(timeout=15) == 0
     assert svc.stderr.snapshot() == [], "a clean stop prints nothing on stderr (no traceback)"
+
+
+def _logged_starting_with(prefix: str) -> Callable[[Sequence[LogRecord]], LogRecord | None]:
+    def predicate(records: Sequence[LogRecord]) -> LogRecord | None:
+        return next((r for r in records if str(r.get("message", "")).startswith(prefix)), None)
+
+    return predicate
+
+
+async def _assert_start_up_stopped(svc: ServiceProcess, asked_at: float) -> None:
+    """Out within a moment, exit 0, one line saying so, no READY=1, no listening port."""
+    assert await svc.async_wait_exit(timeout=5) == 0, svc.output_tail()
+    took = time.monotonic() - asked_at
+    assert took < 2.0, f"took {took:.1f}s to stop during start-up"
+    assert svc.find_logs("start-up stopped: asked to stop before ready"), svc.output_tail()
+    assert svc.stderr.snapshot() == [], "a stop that was asked for is no failure"
+    assert svc.notify is not None
+    svc.notify.flush()
+    assert svc.notify.first("READY") is None
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", svc.port), timeout=2).close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_a_stop_while_the_database_is_not_reachable_yet_ends_start_up(
+    service_factory: ServiceFactory, signum: signal.Signals
+) -> None:
+    # At boot PostgreSQL may come up after toko-api, which keeps trying for
+    # OPEN_RETRY_SECONDS (20 s). A `systemctl stop` meanwhile used to wait for
+    # that to end; with a lock in the way, until systemd's SIGKILL.
+    closed_port = free_port()
+    svc = service_factory({"TOKO_DATABASE": f"postgresql://toko@127.0.0.1:{closed_port}/x"})
+    svc.start()
+    await svc.logs.async_wait_for(
+        _logged_starting_with("database not reachable yet, retrying"),
+        timeout=10,
+        what="a connection retry",
+    )
+    asked_at = time.monotonic()
+    svc.send_signal(signum)
+    await _assert_start_up_stopped(svc, asked_at)
+
+
+async def test_a_stop_while_another_process_holds_the_sqlite_write_lock_ends_start_up(
+    service_factory: ServiceFactory, tmp_path: Path
+) -> None:
+    # A toko-queue command or a sqlite3 shell in the middle of a write: start-up
+    # waits in its migration for up to the busy timeout (10 s), in a thread
+    # that a cancelled start-up used to leave running until then.
+    database = tmp_path / "toko.db"
+    prepared = connect(str(database))
+    migrate(prepared)
+    prepared.close()
+    writer = connect(str(database))
+    try:
+        writer.execute("BEGIN IMMEDIATE")
+        svc = service_factory(database=database).start()
+        await svc.async_wait_log("database is locked by another process; waiting for it")
+        asked_at = time.monotonic()
+        svc.terminate()
+        await _assert_start_up_stopped(svc, asked_at)
+    finally:
+        writer.close()
 
 
 async def test_sighup_is_logged_and_ignored(service_factory: ServiceFactory) -> None:
