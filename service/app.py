@@ -9,7 +9,17 @@ from aiohttp import web
 
 from service.auth import bearer_auth
 from service.errors import json_errors
-from service.keys import HTTP_STATE, METRICS, NOTIFIER, POOL, SETTINGS, STORE, HttpState
+from service.health import HealthReads
+from service.keys import (
+    HEALTH,
+    HTTP_STATE,
+    METRICS,
+    NOTIFIER,
+    POOL,
+    SETTINGS,
+    STORE,
+    HttpState,
+)
 from service.mail import LogMailer, Mailer, SmtpMailer
 from service.metrics import Metrics
 from service.routes import routes
@@ -62,7 +72,9 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
     store = open_store(app[SETTINGS])
     await store.open()
     app[STORE] = store
+    app[HEALTH] = HealthReads(store)
     yield
+    await app[HEALTH].close()
     await store.close()
     batches, writes = getattr(store, "writer_stats", (0, 0))
     # writes/batches is the group-commit factor: how many writes shared an fsync.

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from service.health import HealthReads
 from service.metrics import Metrics
 from service.settings import Settings
 from service.store.base import Store
@@ -25,4 +26,5 @@ STORE = web.AppKey("store", Store)
 POOL = web.AppKey("pool", WorkerPool)
 NOTIFIER = web.AppKey("notifier", Notifier)
 METRICS = web.AppKey("metrics", Metrics)
+HEALTH = web.AppKey("health", HealthReads)
 HTTP_STATE = web.AppKey("http_state", HttpState)

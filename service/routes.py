@@ -8,10 +8,10 @@ import logging
 from aiohttp import hdrs, web
 
 from service.errors import Refused, abandon_body, body_too_large, json_error
-from service.keys import METRICS, POOL, SETTINGS, STORE
+from service.keys import HEALTH, METRICS, POOL, SETTINGS, STORE
 from service.models import NewJob, Product
 from service.openapi import openapi_document
-from service.store.base import StoreError, write_error
+from service.store.base import StoreError
 from service.tasks import PRODUCT_EMAIL, product_email_job
 from service.validation import (
     ID_MAX,
@@ -152,16 +152,16 @@ async def get_product(request: web.Request) -> web.Response:
 @routes.get("/healthz")
 async def healthz(request: web.Request) -> web.Response:
     pool = request.app[POOL]
-    store = request.app[STORE]
+    health = request.app[HEALTH]
     workers = {"alive": pool.alive, "configured": pool.configured}
     try:
-        counts = await store.counts()
+        counts = await health.counts()
     except StoreError as exc:
         log.error("health check: store failed: %s", exc)
         body = {"status": "unhealthy", "error": "storage is unavailable", "workers": workers}
         return web.json_response(body, status=503)
     body = {"status": "ok", "queue": counts.to_json(), "workers": workers}
-    cannot_write = await write_error(store)
+    cannot_write = await health.write_error()
     if cannot_write is not None:
         body["status"] = "unhealthy"
         body["error"] = f"storage cannot write: {cannot_write}"
@@ -177,16 +177,16 @@ async def healthz(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     app_metrics = request.app[METRICS]
     pool = request.app[POOL]
-    store = request.app[STORE]
+    health = request.app[HEALTH]
     try:
-        counts = await store.counts()
+        counts = await health.counts()
     except StoreError as exc:
         # Still answer: toko_store_up 0 is what the alert should fire on.
         log.error("metrics: store failed: %s", exc)
         app_metrics.set_queue(None)
     else:
         app_metrics.set_queue(counts)
-    app_metrics.set_writable(await write_error(store) is None)
+    app_metrics.set_writable(await health.write_error() is None)
     app_metrics.set_workers(pool.alive, pool.configured)
     return app_metrics.render()
 

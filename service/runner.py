@@ -18,7 +18,7 @@ from aiohttp import web
 
 from service.app import create_app
 from service.errors import ClientProtocolErrors
-from service.keys import POOL, STORE
+from service.keys import HEALTH, POOL, STORE
 from service.listener import (
     listening_sockets,
     raise_open_files_limit,
@@ -27,7 +27,7 @@ from service.listener import (
 )
 from service.logs import LoopErrorThrottle, Throttle
 from service.settings import Settings
-from service.store import StoreError, write_error
+from service.store import StoreError
 from service.systemd import Notifier
 from service.workers import WorkerPool
 
@@ -167,13 +167,13 @@ def _ignore_hangup() -> None:
 
 async def _status_line(app: web.Application) -> str:
     pool = app[POOL]
-    counts = await app[STORE].counts()
+    counts = await app[HEALTH].counts()
     line = (
         f"pending={counts.pending} running={counts.running} failed={counts.failed} "
         f"workers={pool.alive}/{pool.configured}"
     )
     # Also the one prober that runs when nobody asks /healthz.
-    cannot_write = await write_error(app[STORE])
+    cannot_write = await app[HEALTH].write_error()
     return line if cannot_write is None else f"{line}; cannot write: {cannot_write}"
 
 

@@ -1,15 +1,18 @@
 """The database goes away under toko-api and stays away (dropped, or a server
-that does not come back): /healthz, /metrics and `systemctl status` say so,
-the journal gets a sample of the failures rather than one line a second, and
-a SIGTERM still ends it cleanly."""
+that does not come back), or hangs: /healthz, /metrics and `systemctl status`
+say so, in time, the journal gets a sample of the failures rather than one
+line a second, and a SIGTERM still ends it cleanly."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 
+from service.health import HEALTH_READ_SECONDS
 from tests.conftest import ServiceFactory
 from tests.postgres.conftest import pg_env
-from tests.support.api import create_products, healthz
+from tests.support.api import create_products, healthz, wait_healthy
 from tests.support.postgres import PostgresCluster
 from tests.support.scrape import scrape
 
@@ -76,3 +79,36 @@ async def test_metrics_show_no_queue_figures_while_the_store_is_down(
     assert stale == [], after.samples
     api.terminate()
     assert await api.async_wait_exit(timeout=30) == 0
+
+
+async def test_health_answers_in_time_while_the_store_hangs(
+    service_factory: ServiceFactory, pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    # A table locked by maintenance (or a silent database host) makes every
+    # query wait for the store's 30 s command timeout: longer than a load
+    # balancer or a Prometheus scrape waits, so without a limit of its own
+    # /healthz timed out instead of saying 503 and toko_store_up 0 was never seen.
+    api = service_factory(pg_env(pg_cluster, pg_url)).start()
+    await api.async_wait_ready(timeout=30)
+    client_gives_up = aiohttp.ClientTimeout(total=HEALTH_READ_SECONDS + 3)
+    locker = await pg_cluster.connect(pg_url.rsplit("/", 1)[1])
+    try:
+        async with aiohttp.ClientSession(timeout=client_gives_up) as session:
+            await create_products(session, api.base_url, ["sebelum"])
+            locked = locker.transaction()
+            await locked.start()
+            await locker.execute("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE")
+
+            status, health = await healthz(session, api.base_url)
+            assert (status, health["error"]) == (503, "storage is unavailable"), health
+            during = await scrape(session, api.base_url)
+            assert during.value("toko_store_up") == 0
+
+            await locked.rollback()
+            await wait_healthy(session, api.base_url, timeout=15)
+    finally:
+        await locker.close()
+    said = [str(r.get("message")) for r in api.logs.snapshot()]
+    assert any(f"did not answer within {HEALTH_READ_SECONDS:g} s" in line for line in said), said
+    api.terminate()
+    assert await asyncio.wait_for(api.async_wait_exit(timeout=30), 40) == 0
