@@ -33,6 +33,7 @@ import service
 from service.app import create_app
 from service.openapi import openapi_document
 from service.settings import Settings
+from service.validation import InvalidInput, idempotency_key
 from tests.support.service import ServiceProcess
 
 TOKEN = "oas-" + secrets.token_hex(16)
@@ -118,6 +119,46 @@ def test_the_document_allows_a_nama_the_service_takes(live_service: ServiceProce
     assert rules.get("minLength", 0) <= len(nama) <= rules.get("maxLength", len(nama)), rules
     assert re.search(rules["pattern"], nama), rules
     assert "Trimmed, then 1-200 characters" in rules["description"]
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        "k",
+        "order-42",
+        "a b",
+        "x" * 255,
+        '"quoted key"',
+        '" spaced inside quotes "',
+        '"' + "x" * 255 + '"',
+        '"',
+        " ",
+        "",
+        '""',
+        '"   "',
+        "x" * 256,
+        '"' + "x" * 256 + '"',
+        "caf\u00e9",
+        "tab\there",
+    ],
+)
+def test_the_idempotency_key_rules_are_the_services(sent: str) -> None:
+    # The header value as the handler gets it: HTTP drops the spaces around a
+    # field value, so a plain key that starts or ends with one never arrives
+    # as sent, and the document must not call it valid either.
+    doc = json.loads(openapi_document())
+    (param,) = doc["paths"]["/produk"]["post"]["parameters"]
+    schema = param["schema"]
+    documented = (
+        re.search(schema["pattern"], sent) is not None
+        and schema["minLength"] <= len(sent) <= schema["maxLength"]
+    )
+    arrives = sent.strip(" \t")
+    try:
+        taken = arrives == sent and idempotency_key([arrives]) is not None
+    except InvalidInput:
+        taken = False
+    assert documented == taken, (sent, schema)
 
 
 def test_document_is_the_one_in_the_repository() -> None:
