@@ -24,6 +24,15 @@ PRODUCT_FIELDS = frozenset({"nama", "harga"})
 # lone surrogates (what a stray \uD800 escape decodes to): none belongs in a
 # one-line name, an email subject or a shop page.
 _FORBIDDEN_IN_NAMA = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+# What is trimmed from nama: exactly what \s in the OpenAPI document's pattern
+# means to a client validating in JavaScript (ECMA-262 WhiteSpace and
+# LineTerminator: the Zs spaces, TAB, VT, FF, LF, CR, U+2028/9 and U+FEFF).
+# Plain str.strip() keeps U+FEFF, so a nama of nothing else was stored, and
+# trims U+001C-U+001F and U+0085, which the document refuses as control characters.
+NAMA_BLANKS = (
+    "\t\n\v\f\r \xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008"
+    "\u2009\u200a\u2028\u2029\u202f\u205f\u3000\ufeff"
+)
 
 
 class InvalidInput(ValueError):
@@ -99,7 +108,7 @@ def _nama(data: Mapping[str, Any]) -> str:
     nama = data["nama"]
     if not isinstance(nama, str):
         raise InvalidInput(f"field 'nama' must be a string, not {_json_type(nama)}")
-    nama = nama.strip()
+    nama = nama.strip(NAMA_BLANKS)
     if not nama:
         raise InvalidInput("field 'nama' must not be empty")
     if len(nama) > NAMA_MAX:

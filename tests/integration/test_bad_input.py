@@ -83,6 +83,13 @@ CASES = [
     Case("nama-list", 400, _body({"nama": ["Kopi"], "harga": 1})),
     Case("nama-empty", 400, _body({"nama": "", "harga": 1})),
     Case("nama-whitespace", 400, _body({"nama": " \t\n  ", "harga": 1})),
+    # Blank to JavaScript's \s, which the OpenAPI pattern uses, though not to str.strip().
+    Case(
+        "nama-zero-width-no-break-space",
+        400,
+        _body({"nama": " \ufeff\ufeff ", "harga": 1}),
+        says="field 'nama' must not be empty",
+    ),
     Case("nama-201-chars", 400, _body({"nama": "x" * 201, "harga": 1})),
     Case("nama-10k-chars", 400, _body({"nama": "x" * 10_000, "harga": 1})),
     Case("nama-nul", 400, b'{"nama": "Ko\\u0000pi", "harga": 1}'),

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import sys
+import unicodedata
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +35,12 @@ import service
 from service.app import create_app
 from service.openapi import openapi_document
 from service.settings import Settings
-from service.validation import InvalidInput, idempotency_key
+from service.validation import (
+    NAMA_BLANKS,
+    InvalidInput,
+    idempotency_key,
+    validate_new_product,
+)
 from tests.support.service import ServiceProcess
 
 TOKEN = "oas-" + secrets.token_hex(16)
@@ -159,6 +166,57 @@ def test_the_idempotency_key_rules_are_the_services(sent: str) -> None:
     except InvalidInput:
         taken = False
     assert documented == taken, (sent, schema)
+
+
+# What \s matches in JavaScript (ECMA-262 WhiteSpace and LineTerminator), which
+# is how a client reads the document's patterns; Python's \s differs (it has
+# no U+FEFF, but U+001C-U+001F and U+0085).
+ECMASCRIPT_BLANKS = {
+    chr(c) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Zs"
+} | set("\t\v\f\ufeff\n\r\u2028\u2029")
+
+
+def _nama_pattern_as_javascript_reads_it() -> re.Pattern[str]:
+    doc = json.loads(openapi_document())
+    pattern = doc["components"]["schemas"]["NewProduct"]["properties"]["nama"]["pattern"]
+    blanks = "".join(f"\\u{ord(c):04x}" for c in sorted(ECMASCRIPT_BLANKS))
+    # \s only ever stands inside a character class there, so its members can too.
+    return re.compile(pattern.replace("\\s", blanks))
+
+
+def _service_takes(nama: str) -> bool:
+    try:
+        validate_new_product({"nama": nama, "harga": 1})
+    except InvalidInput:
+        return False
+    return True
+
+
+def test_the_service_trims_what_the_document_calls_blank() -> None:
+    assert set(NAMA_BLANKS) == ECMASCRIPT_BLANKS
+
+
+def test_the_document_and_the_service_agree_on_every_one_character_nama() -> None:
+    pattern = _nama_pattern_as_javascript_reads_it()
+    disagree = [
+        f"U+{c:04X}"
+        for c in range(sys.maxunicode + 1)
+        if _service_takes(chr(c)) != bool(pattern.search(chr(c)))
+    ]
+    assert not disagree
+
+
+def test_a_nama_blank_only_to_javascript_is_trimmed(live_service: ServiceProcess) -> None:
+    nama = " \ufeffX\ufeff "
+    assert _nama_pattern_as_javascript_reads_it().search(nama)
+    request = urllib.request.Request(
+        live_service.url("/produk"),
+        data=json.dumps({"nama": nama, "harga": 1}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 201
+        assert json.loads(resp.read())["nama"] == "X"
 
 
 def test_document_is_the_one_in_the_repository() -> None:

@@ -18,6 +18,9 @@ from service.validation import (
 
 def test_valid_product_is_trimmed() -> None:
     assert validate_new_product({"nama": "  Teh Hijau ", "harga": 45000}) == ("Teh Hijau", 45000)
+    # U+FEFF is blank to JavaScript's \s, though not to str.strip().
+    assert validate_new_product({"nama": " \ufeffX\ufeff ", "harga": 1}) == ("X", 1)
+    assert validate_new_product({"nama": "\u3000Teh\xa0Hijau\t\n", "harga": 1})[0] == "Teh\xa0Hijau"
     assert validate_new_product({"nama": "x" * 200, "harga": 10**12})[1] == 10**12
     assert validate_new_product({"nama": "Gratis", "harga": 0})[1] == 0
 
@@ -29,6 +32,11 @@ def test_valid_product_is_trimmed() -> None:
         ({"nama": "a"}, "'harga' is required"),
         ({"nama": "", "harga": 1}, "must not be empty"),
         ({"nama": "   ", "harga": 1}, "must not be empty"),
+        ({"nama": "\ufeff", "harga": 1}, "must not be empty"),
+        ({"nama": " \ufeff\u2003\ufeff ", "harga": 1}, "must not be empty"),
+        # Whitespace to str.strip(), control characters to the OpenAPI document.
+        ({"nama": "\x1cKopi", "harga": 1}, "control characters"),
+        ({"nama": "Kopi\x85", "harga": 1}, "control characters"),
         ({"nama": "x" * 201, "harga": 1}, "at most 200"),
         ({"nama": 5, "harga": 1}, "must be a string"),
         ({"nama": "a\x00b", "harga": 1}, "control characters"),
