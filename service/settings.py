@@ -6,6 +6,7 @@ with one line that names the variable.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -291,15 +292,15 @@ def _smtp_from_env(environ: Mapping[str, str]) -> SmtpTarget | None:
             "'smtp-password' or TOKO_SMTP_PASSWORD_FILE"
         )
     host = parts.hostname
-    if (
-        parts.scheme not in {"smtp", "smtps"}
-        or not host
-        or any(c.isspace() for c in host)
-        or port in (-1, 0)
-    ):
+    if parts.scheme not in {"smtp", "smtps"} or not host or port in (-1, 0):
         raise ConfigError(
             f"TOKO_SMTP_URL must look like smtp://[user@]host[:port] with a port from 1 "
             f"to 65535, got {_shown(raw)}"
+        )
+    if not _is_host(host):
+        raise ConfigError(
+            "TOKO_SMTP_URL must name the mail server by a host name (letters, digits, "
+            f"'-', '_' and dots) or an IP address, got {_shown(raw)}"
         )
     use_tls = parts.scheme == "smtps"
     return SmtpTarget(
@@ -320,6 +321,34 @@ def check_for_api(settings: Settings) -> None:
             f"TOKO_SMTP_URL logs in as {smtp.username!r}, but no password was given "
             "(the systemd credential 'smtp-password' or TOKO_SMTP_PASSWORD_FILE)"
         )
+
+
+# One label of a host name (RFC 1123), plus "_", which resolvers and
+# /etc/hosts take and some internal names have.
+_HOST_LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)", re.IGNORECASE)
+
+
+def _is_host(host: str) -> bool:
+    """Whether ``host`` could be resolved or connected to at all.
+
+    urlsplit passes on whatever stands between "@" and ":", percent escapes
+    ("ho%20st"), spaces and quotes included; such a host passed the checks and
+    failed every send.
+    """
+    if ":" in host:  # only a bracketed host can hold one: an IPv6 address
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return False
+        return True
+    try:
+        # A name in another script is looked up by its ASCII form (IDNA), as
+        # the resolver will; that also refuses empty and overlong labels.
+        name = host.encode("idna").decode("ascii")
+    except UnicodeError:
+        return False
+    labels = name.removesuffix(".").split(".")
+    return len(name) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels)
 
 
 def _smtp_password(environ: Mapping[str, str]) -> str | None:

@@ -62,6 +62,15 @@ def test_state_directory_holds_the_database_and_backups() -> None:
         ("TOKO_SMTP_URL", "smtp://user:secret@mail:99999"),
         ("TOKO_SMTP_URL", "smtp://mail:70000"),
         ("TOKO_SMTP_URL", "smtp://mail host:25"),
+        # urlsplit passes these hosts on as they are; none resolves.
+        ("TOKO_SMTP_URL", "smtp://mail%20host:25"),
+        ("TOKO_SMTP_URL", "smtp://mail%2Ehost"),
+        ("TOKO_SMTP_URL", 'smtp://mail"host'),
+        ("TOKO_SMTP_URL", "smtp://mail;host"),
+        ("TOKO_SMTP_URL", "smtp://mail..host"),
+        ("TOKO_SMTP_URL", "smtp://-mail.host"),
+        ("TOKO_SMTP_URL", "smtp://" + "m" * 64 + ".host"),
+        ("TOKO_SMTP_URL", "smtp://user:secret@mail%20host:25"),
         ("TOKO_SMTP_URL", "smtp://mail:" + "1" * 5000),
         # urlsplit raises for these, before any check of ours.
         ("TOKO_SMTP_URL", "smtp://[::1"),
@@ -85,6 +94,26 @@ def test_bad_values_name_the_variable(name: str, value: str) -> None:
 def test_admin_email_takes_a_list_separated_by_commas() -> None:
     s = Settings.from_env({"TOKO_ADMIN_EMAIL": " bos@toko.test,kasir@toko.test , ibu@toko.test"})
     assert s.admin_emails == ("bos@toko.test", "kasir@toko.test", "ibu@toko.test")
+
+
+@pytest.mark.parametrize(
+    ("url", "host"),
+    [
+        ("smtp://mail.example.com:587", "mail.example.com"),
+        ("smtp://Mail.Example.COM", "mail.example.com"),
+        ("smtp://mail.example.com.", "mail.example.com."),
+        ("smtp://mail_relay", "mail_relay"),
+        ("smtp://192.0.2.25:2525", "192.0.2.25"),
+        ("smtp://[::1]:25", "::1"),
+        ("smtp://[2001:db8::25]", "2001:db8::25"),
+        ("smtp://toko@surat.contoh.id", "surat.contoh.id"),
+        ("smtp://bücher.example", "bücher.example"),
+    ],
+)
+def test_smtp_host_names_and_addresses_are_taken(url: str, host: str) -> None:
+    smtp = Settings.from_env({"TOKO_SMTP_URL": url}).smtp
+    assert smtp is not None
+    assert smtp.host == host
 
 
 def test_smtp_url_and_password_from_credentials(tmp_path: Path) -> None:
@@ -145,6 +174,12 @@ def test_a_secret_file_that_is_not_utf8_is_a_config_error(tmp_path: Path, variab
             "smtp://[::1",
             "TOKO_SMTP_URL must look like smtp://[user@]host[:port], with an IPv6 address "
             "in brackets like smtp://[::1]:25",
+        ),
+        (
+            "TOKO_SMTP_URL",
+            "smtp://ho%20st:25",
+            "TOKO_SMTP_URL must name the mail server by a host name (letters, digits, '-', "
+            "'_' and dots) or an IP address, got 'smtp://ho%20st:25'",
         ),
         (
             "TOKO_LISTEN",
