@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import email.policy
+import logging
+import socket
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 import trustme
 
-from service.mail import Email, MailError, RecipientsDeferred, SmtpMailer
+from service.mail import EHLO_NAME, EhloName, Email, MailError, RecipientsDeferred, SmtpMailer
 from service.mail_connections import REUSE_SECONDS, ConnectionCache
 from service.settings import SmtpTarget
 from tests.support.smtp import SmtpServer, server_tls
@@ -53,10 +57,12 @@ async def mailers(smtp: SmtpServer) -> AsyncIterator[MailerFactory]:
     made: list[SmtpMailer] = []
 
     def make(
-        server: SmtpServer | None = None, connections: ConnectionCache | None = None
+        server: SmtpServer | None = None,
+        connections: ConnectionCache | None = None,
+        ehlo_name: EhloName = EHLO_NAME,
     ) -> SmtpMailer:
         target = SmtpTarget("127.0.0.1", (server or smtp).port, None, None, use_tls=False)
-        made.append(SmtpMailer(target, timeout=10, connections=connections))
+        made.append(SmtpMailer(target, timeout=10, connections=connections, ehlo_name=ehlo_name))
         return made[-1]
 
     yield make
@@ -230,3 +236,60 @@ async def test_close_says_goodbye_to_every_idle_connection(
     await asyncio.gather(*(mailer.send(product_email(job_id)) for job_id in (1, 2)))
     await mailer.close()
     assert sorted(smtp.quits.snapshot()) == [1, 2]
+
+
+async def test_the_ehlo_name_is_looked_up_once_for_every_worker_and_email(
+    smtp: SmtpServer, mailers: MailerFactory
+) -> None:
+    found: list[str] = []
+
+    def lookup() -> str:
+        found.append(socket.getfqdn())
+        return found[-1]
+
+    ehlo_name = EhloName(lookup=lookup)
+    # Three workers of two mailers, all sending at once: each opens a connection.
+    senders = [mailers(ehlo_name=ehlo_name), mailers(ehlo_name=ehlo_name)] * 3
+    await asyncio.gather(*(m.send(product_email(n)) for n, m in enumerate(senders, 1)))
+    await senders[0].send(product_email(7))
+    assert len(found) == 1
+    assert [m.helo for m in smtp.delivered()] == found * 7
+
+
+async def test_a_lookup_that_hangs_holds_no_email_past_the_limit(
+    smtp: SmtpServer, mailers: MailerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    answer = threading.Event()
+
+    def hangs() -> str:
+        answer.wait(60)  # a resolver that does not answer
+        return "late.toko.test"
+
+    limit = 0.3
+    mailer = mailers(ehlo_name=EhloName(lookup=hangs, fallback=lambda: "kasir", limit=limit))
+    try:
+        with caplog.at_level(logging.WARNING, logger="toko.mail"):
+            started = time.monotonic()
+            async with asyncio.timeout(10):
+                await asyncio.gather(*(mailer.send(product_email(n)) for n in (1, 2)))
+            waited = time.monotonic() - started
+            await mailer.send(product_email(3))
+    finally:
+        answer.set()
+    assert waited < limit + 2, waited  # the lookup's limit, plus the sending
+    assert [m.helo for m in smtp.delivered()] == ["kasir"] * 3
+    (warning,) = [r for r in caplog.records if "EHLO" in r.getMessage()]
+    assert warning.getMessage() == (
+        "looking up this host's name for EHLO took over 0.3 s; saying kasir instead"
+    )
+
+
+async def test_a_lookup_that_fails_gives_the_short_name(
+    smtp: SmtpServer, mailers: MailerFactory
+) -> None:
+    def fails() -> str:
+        raise OSError("no resolver")
+
+    mailer = mailers(ehlo_name=EhloName(lookup=fails, fallback=lambda: "kasir"))
+    await mailer.send(product_email(1))
+    assert [m.helo for m in smtp.delivered()] == ["kasir"]
