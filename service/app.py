@@ -49,7 +49,14 @@ def create_app(settings: Settings, notifier: Notifier | None = None) -> web.Appl
     auth = bearer_auth(settings.api_token)
     if auth is not None:
         middlewares.append(auth)
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=middlewares,
+        # Compressed bodies are decoded by the handler (routes.decoded_body):
+        # aiohttp does not check that a gzip body ends (its CRC-32 and length),
+        # so one cut short was taken whole.
+        handler_args={"auto_decompress": False},
+    )
     app[SETTINGS] = settings
     app[METRICS] = metrics
     app[HTTP_STATE] = HttpState()

@@ -67,9 +67,8 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     except Refused as refused:
         return refused.response
     except web.RequestPayloadError as exc:
-        # The body did not arrive as its headers describe it (a bad chunk, bytes
-        # that do not decode in the declared Content-Encoding), so no more of it
-        # can be read, and the connection is no longer trusted.
+        # The body did not arrive as its headers describe it (a bad chunk), so
+        # no more of it can be read, and the connection is no longer trusted.
         detail = getattr(exc.__cause__, "message", None) or str(exc)
         return abandon_body(
             request, json_error(400, f"the request body could not be read: {detail}")

@@ -7,7 +7,9 @@ every case: no product row exists in the SQLite file and /healthz is 200.
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,10 @@ MESSAGE_MAX = 300
 
 def _body(obj: object) -> bytes:
     return json.dumps(obj).encode()
+
+
+# The whole JSON is there; the gzip trailer (CRC-32 and length, 8 bytes) is not.
+GZIP_WITHOUT_TRAILER = gzip.compress(_body({"nama": "Kopi", "harga": 1}))[:-8]
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,42 @@ CASES = [
         _body({"nama": "Kopi", "harga": 1}),
         headers={**JSON, "Content-Encoding": "deflate"},
     ),
+    # The JSON decodes whole, but the body was cut short: it is not what was sent.
+    Case(
+        "gzip-without-trailer",
+        400,
+        GZIP_WITHOUT_TRAILER,
+        headers={**JSON, "Content-Encoding": "gzip"},
+        says="the gzip body is incomplete",
+    ),
+    Case(
+        "gzip-trailer-cut-short",
+        400,
+        GZIP_WITHOUT_TRAILER + b"\x00\x00\x00",
+        headers={**JSON, "Content-Encoding": "gzip"},
+        says="the gzip body is incomplete",
+    ),
+    Case(
+        "gzip-wrong-checksum",
+        400,
+        GZIP_WITHOUT_TRAILER + bytes(8),
+        headers={**JSON, "Content-Encoding": "gzip"},
+        says="not valid gzip",
+    ),
+    Case(
+        "gzip-then-more",
+        400,
+        gzip.compress(_body({"nama": "Kopi", "harga": 1})) + b"x",
+        headers={**JSON, "Content-Encoding": "gzip"},
+        says="after the end of the gzip data",
+    ),
+    Case(
+        "deflate-without-checksum",
+        400,
+        zlib.compress(_body({"nama": "Kopi", "harga": 1}))[:-4],
+        headers={**JSON, "Content-Encoding": "deflate"},
+        says="the deflate body is incomplete",
+    ),
     # JSON is UTF-8 whatever the charset says (RFC 8259 §8.1, §11).
     Case(
         "latin-1-charset",
@@ -166,6 +208,13 @@ CASES = [
     # Size.
     Case("over-64k", 413, _body({"nama": "x" * LIMIT, "harga": 1})),
     Case("over-64k-chunked", 413, _body({"nama": "x" * LIMIT, "harga": 1}), chunked=True),
+    # The limit is on the body decoded: a few hundred bytes of gzip are too much.
+    Case(
+        "over-64k-decoded",
+        413,
+        gzip.compress(_body({"nama": "x" * LIMIT, "harga": 1})),
+        headers={**JSON, "Content-Encoding": "gzip"},
+    ),
     # Routing.
     Case("put-collection", 405, _body({"nama": "Kopi", "harga": 1}), method="PUT"),
     Case("delete-item", 405, None, method="DELETE", path="/produk/1"),
