@@ -13,12 +13,13 @@ Target: ``{"database": path-or-URL, "password_file": ...}``; settings:
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 from bench.queue_common import JobBody, Producer, RunningWorker
 from service.mail import LogMailer
-from service.models import Job, NewJob
+from service.models import Job, NewJob, stored_job
 from service.store.base import Store
 from service.store.postgres import PostgresStore
 from service.store.sqlite import SqliteStore
@@ -59,9 +60,13 @@ class _StoreProducer:
 
         # As POST /produk does (service/routes.py): with a worker slot free the
         # job is written already leased and handed straight to the pool.
-        async def write(leased_for: float | None) -> tuple[None, int, NewJob]:
+        async def write(leased_for: float | None) -> tuple[None, Job]:
             job = NewJob(kind, payload, MAX_ATTEMPTS, leased_for)
-            return None, await self.store.enqueue(job), job
+            # store.enqueue() tells the id alone: the enqueue time here is a
+            # moment off the stored one, which the bench's jobs (no email, no
+            # Message-ID) never look at, and reading it back would cost a query.
+            enqueued_about = time.time()
+            return None, stored_job(await self.store.enqueue(job), job, enqueued_about)
 
         await pool.enqueue_here(write)
 

@@ -1,7 +1,8 @@
 """Outgoing email: a real SMTP client, or the log when no server is configured.
 
-Every message carries a Message-ID derived from its job id, identical on every
-retry, so a duplicate after a crash (delivery is at-least-once) is detectable.
+Every message carries a Message-ID derived from its job (id and enqueue time),
+identical on every retry, so a duplicate after a crash (delivery is
+at-least-once) is detectable.
 When the server takes some recipients and defers others (4xx), the send raises
 ``RecipientsDeferred`` naming those left, so the retry goes to them alone.
 An SMTP connection is kept for the next email for a moment (mail_connections).
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import socket
 import ssl
 import threading
@@ -53,14 +55,22 @@ class RecipientsDeferred(MailError):
         self.deferred = deferred
 
 
-def message_id(job_id: int, mail_from: str) -> str:
+def message_id(job_id: int, job_created_at: float, mail_from: str) -> str:
+    """The Message-ID of a job's email, the same on every attempt of the job.
+
+    The id alone is not enough: a restore from backup hands the ids issued
+    since the backup out again, and a mailbox may drop a message whose
+    Message-ID it has seen. The job's enqueue time (whole milliseconds) tells
+    such a job from the one that had its id before.
+    """
     domain = mail_from.rpartition("@")[2] or "localhost"
-    return f"<job-{job_id}@{domain}>"
+    return f"<job-{job_id}.{math.floor(job_created_at * 1000)}@{domain}>"
 
 
 @dataclass(frozen=True)
 class Email:
     job_id: int
+    job_created_at: float  # the job's enqueue time (Job.created_at)
     mail_from: str
     to: tuple[str, ...]
     subject: str
@@ -73,7 +83,7 @@ class Email:
 
     @property
     def message_id(self) -> str:
-        return message_id(self.job_id, self.mail_from)
+        return message_id(self.job_id, self.job_created_at, self.mail_from)
 
     @property
     def recipients(self) -> tuple[str, ...]:

@@ -88,6 +88,9 @@ class Job:
     attempts: int
     max_attempts: int
     run_at: float
+    # When it was enqueued (jobs.created_at): with the id, it names the job's
+    # email (its Message-ID), since a restore from backup hands ids out again.
+    created_at: float
     last_error: str | None = None
 
 
@@ -110,14 +113,27 @@ class PartlyDone(Exception):
         self.payload = payload
 
 
-def leased_job(job_id: int, job: NewJob, run_at: float) -> Job:
-    """The Job a store wrote for ``job`` enqueued with ``leased_for`` (already claimed)."""
-    return Job(job_id, job.kind, job.payload, "running", 1, job.max_attempts, run_at)
+def stored_job(job_id: int, job: NewJob, created_at: float) -> Job:
+    """The Job a store wrote for ``job`` enqueued at ``created_at`` (due then):
+    pending, or already claimed when enqueued with ``leased_for``."""
+    leased = job.leased_for is not None
+    state: JobState = "running" if leased else "pending"
+    return Job(
+        id=job_id,
+        kind=job.kind,
+        payload=job.payload,
+        state=state,
+        attempts=1 if leased else 0,
+        max_attempts=job.max_attempts,
+        run_at=created_at,
+        created_at=created_at,
+    )
 
 
 def job_from_row(row: Sequence[Any]) -> Job:
     """A Job from a row: id, kind, payload (JSON text), state, attempts,
-    max_attempts, run_at, last_error; the column order both stores select."""
+    max_attempts, run_at, last_error, created_at; the column order both stores
+    select."""
     return Job(
         id=row[0],
         kind=row[1],
@@ -127,6 +143,7 @@ def job_from_row(row: Sequence[Any]) -> Job:
         max_attempts=row[5],
         run_at=row[6],
         last_error=row[7],
+        created_at=row[8],
     )
 
 

@@ -10,7 +10,7 @@ from aiohttp import hdrs, web
 
 from service.errors import Refused, abandon_body, body_too_large, json_error
 from service.keys import HEALTH, METRICS, POOL, SETTINGS, STORE
-from service.models import NewJob, Product
+from service.models import Job, NewJob, Product, stored_job
 from service.openapi import openapi_document
 from service.store.base import StoreError
 from service.tasks import PRODUCT_EMAIL, product_email_job
@@ -45,12 +45,16 @@ async def create_product(request: web.Request) -> web.Response:
     max_attempts = request.app[SETTINGS].job_max_attempts
     store = request.app[STORE]
 
-    async def write(leased_for: float | None) -> tuple[Product, int | None, NewJob | None]:
+    async def write(leased_for: float | None) -> tuple[Product, Job | None]:
         def make_job(product: Product) -> NewJob:
             return product_email_job(product, max_attempts, leased_for)
 
         product, job_id = await store.create_product(nama, harga, make_job, key)
-        return product, job_id, None if job_id is None else make_job(product)
+        if job_id is None:
+            return product, None
+        # The job is stored with its product's created_at (Store.create_product),
+        # which its email's Message-ID is made of on every attempt.
+        return product, stored_job(job_id, make_job(product), product.created_at)
 
     # With a worker slot free, the job is written already claimed and handed
     # straight to the pool; otherwise it waits pending for the claimer.

@@ -118,6 +118,7 @@ async def _email_admins(job: Job, ctx: JobContext, subject: str, body: str) -> N
     to = tuple(job.payload.get("to") or ctx.admin_emails)
     email = Email(
         job_id=job.id,
+        job_created_at=job.created_at,
         mail_from=ctx.mail_from,
         to=to,
         subject=subject,

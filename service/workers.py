@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
 from service.logs import Throttle
-from service.models import Job, NewJob, PartlyDone, job_fields, leased_job, printable_text
+from service.models import Job, PartlyDone, job_fields, printable_text
 from service.store.base import Store, StoreError
 from service.tasks import Handler, JobContext
 
@@ -161,31 +161,31 @@ class WorkerPool:
         return self._config.lease_seconds
 
     async def enqueue_here(
-        self, write: Callable[[float | None], Awaitable[tuple[T, int | None, NewJob | None]]]
+        self, write: Callable[[float | None], Awaitable[tuple[T, Job | None]]]
     ) -> tuple[T, int | None]:
         """Enqueue a job through ``write`` and run it here if a slot is free.
 
         ``write(leased_for)`` stores the job (``NewJob.leased_for=leased_for``)
-        and returns (its own result, the job id, the job), or (result, None,
-        None) when it stored none. With a slot free the job is written already
-        leased and handed over; otherwise it is written pending and the
-        claimer is woken. Returns (result, job id).
+        and returns (its own result, the job as stored: ``stored_job()``), or
+        (result, None) when it stored none. With a slot free the job is
+        written already leased and handed over; otherwise it is written
+        pending and the claimer is woken. Returns (result, job id).
         """
         leased_for = self.reserve()
         try:
-            result, job_id, job = await write(leased_for)
+            result, job = await write(leased_for)
         except BaseException:
             if leased_for is not None:
                 self.dispatch(None)
             raise
-        if job_id is None or job is None:
+        if job is None:
             if leased_for is not None:
                 self.dispatch(None)
         elif leased_for is None:
             self.notify()
         else:
-            self.dispatch(leased_job(job_id, job, self._clock()))
-        return result, job_id
+            self.dispatch(job)
+        return result, None if job is None else job.id
 
     def dispatch(self, job: Job | None) -> None:
         """End a reservation: run ``job`` (enqueued leased), or None if it was not stored."""

@@ -18,7 +18,6 @@ class JobDetails:
     """A job with the bookkeeping an admin looks at."""
 
     job: Job
-    created_at: float
     updated_at: float
     lease_until: float | None
 
@@ -31,7 +30,7 @@ class JobDetails:
             "attempts": j.attempts,
             "max_attempts": j.max_attempts,
             "run_at": iso_utc(j.run_at),
-            "created_at": iso_utc(self.created_at),
+            "created_at": iso_utc(j.created_at),
             "updated_at": iso_utc(self.updated_at),
             "lease_until": iso_utc(self.lease_until) if self.lease_until is not None else None,
             "last_error": j.last_error,

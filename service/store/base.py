@@ -102,6 +102,9 @@ class Store(Protocol):
     ) -> tuple[Product, int | None]:
         """Insert a product and its job in one durable transaction; return both.
 
+        The job's created_at is the product's, to the bit: the caller can
+        build the stored job (``stored_job``) without reading it back.
+
         A product already stored with ``idempotency_key`` is returned instead,
         with None for the job id: nothing is written (it may differ from
         ``nama``/``harga``; the caller decides what that means).

@@ -55,8 +55,10 @@ from service.store.pg_migrations import JOBS_CHANNEL, RECAP_LOCK_CLASS, SchemaTo
 T = TypeVar("T")
 log = logging.getLogger("toko.store")
 
-_JOB_COLUMNS = "id, kind, payload::text, state, attempts, max_attempts, run_at, last_error"
-_DETAIL_COLUMNS = f"{_JOB_COLUMNS}, created_at, updated_at, lease_until"
+_JOB_COLUMNS = (
+    "id, kind, payload::text, state, attempts, max_attempts, run_at, last_error, created_at"
+)
+_DETAIL_COLUMNS = f"{_JOB_COLUMNS}, updated_at, lease_until"
 # Upper bound on one batch so a flood cannot make one statement huge.
 MAX_BATCH = 512
 # Seconds between liveness probes of the idle LISTEN connection, and between
@@ -109,9 +111,7 @@ def _set_event(event: asyncio.Event, *_: object) -> None:
 
 
 def _details_from_row(row: Sequence[Any]) -> JobDetails:
-    return JobDetails(
-        job=job_from_row(row[:8]), created_at=row[8], updated_at=row[9], lease_until=row[10]
-    )
+    return JobDetails(job=job_from_row(row[:9]), updated_at=row[9], lease_until=row[10])
 
 
 @dataclass

@@ -48,8 +48,8 @@ T = TypeVar("T")
 A = TypeVar("A")
 log = logging.getLogger("toko.store")
 
-_JOB_COLUMNS = "id, kind, payload, state, attempts, max_attempts, run_at, last_error"
-_DETAIL_COLUMNS = f"{_JOB_COLUMNS}, created_at, updated_at, lease_until"
+_JOB_COLUMNS = "id, kind, payload, state, attempts, max_attempts, run_at, last_error, created_at"
+_DETAIL_COLUMNS = f"{_JOB_COLUMNS}, updated_at, lease_until"
 
 
 BUSY_TIMEOUT_SECONDS = 10.0
@@ -121,9 +121,7 @@ def _migrate_when_free(conn: sqlite3.Connection, path: str, cancelled: threading
 
 
 def _details_from_row(row: Sequence[Any]) -> JobDetails:
-    return JobDetails(
-        job=job_from_row(row[:8]), created_at=row[8], updated_at=row[9], lease_until=row[10]
-    )
+    return JobDetails(job=job_from_row(row[:9]), updated_at=row[9], lease_until=row[10])
 
 
 class SqliteStore:
@@ -773,8 +771,8 @@ def _purge_done(conn: sqlite3.Connection, items: list[tuple[float, int]]) -> lis
     counts = []
     for older_than, chunk in items:
         # The newest job stays, however old: SQLite numbers a new row one past
-        # the largest id, so the next job would get the purged one's id, and
-        # its email the Message-ID of an email already sent.
+        # the largest id, so the next job would get the purged one's id (two
+        # jobs under one JOB_ID in the journal).
         ids = [
             row[0]
             for row in conn.execute(

@@ -11,6 +11,7 @@ import json
 from datetime import UTC, datetime, time, timedelta
 from pathlib import Path
 
+from service.mail import message_id
 from service.models import Product
 from service.store.postgres import PostgresStore
 from service.tasks import product_email_job
@@ -73,7 +74,9 @@ async def test_three_hosts_one_recap_row_one_email(
     assert await fetch(
         pg_cluster, pg_url, "SELECT period, products_total, products_new FROM recaps"
     ) == [(period, PRODUCTS, PRODUCTS)]
-    (job,) = await fetch(pg_cluster, pg_url, "SELECT id FROM jobs WHERE kind = 'recap_email'")
+    (job,) = await fetch(
+        pg_cluster, pg_url, "SELECT id, created_at FROM jobs WHERE kind = 'recap_email'"
+    )
     names = await fetch(
         pg_cluster,
         pg_url,
@@ -86,7 +89,7 @@ async def test_three_hosts_one_recap_row_one_email(
     apis = [service_factory({**env, "TOKO_SMTP_URL": smtp.url}).start() for _ in range(2)]
     await asyncio.gather(*(api.async_wait_ready(timeout=30) for api in apis))
     delivered = await smtp.async_wait_delivered(PRODUCTS + 1, timeout=30)
-    assert f"<job-{job[0]}@localhost>" in delivered
+    assert message_id(*job, "localhost") in delivered
     recaps = [m for m in smtp.delivered() if m.subject == f"Rekap produk {period}"]
     assert len(recaps) == 1, recaps
     for api in apis:

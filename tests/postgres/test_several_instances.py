@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 
+from service.mail import message_id
 from tests.conftest import ServiceFactory
 from tests.postgres.conftest import pg_env
 from tests.support.api import create_product
@@ -99,14 +100,15 @@ async def test_kill_9_one_of_three_instances_every_email_still_arrives(
     jobs = await fetch(
         pg_cluster,
         pg_url,
-        "SELECT id, (payload->>'product_id')::bigint FROM jobs WHERE kind = 'product_email'",
+        "SELECT id, (payload->>'product_id')::bigint, created_at FROM jobs"
+        " WHERE kind = 'product_email'",
     )
     committed = await fetch(pg_cluster, pg_url, "SELECT id FROM products")
     assert len(jobs) == len(committed) >= BEFORE_KILL + AFTER_KILL
-    assert {pid for _, pid in jobs} == {pid for (pid,) in committed}
+    assert {pid for _, pid, _ in jobs} == {pid for (pid,) in committed}
     assert {p["id"] for p in products} <= {pid for (pid,) in committed}
 
-    expected = {f"<job-{job_id}@localhost>" for job_id, _ in jobs}
+    expected = {message_id(job_id, created_at, "localhost") for job_id, _, created_at in jobs}
     delivered = await smtp.async_wait_delivered(len(expected), timeout=LEASE + 60)
     assert delivered == expected
     recovered_after = time.monotonic() - killed_at

@@ -60,6 +60,11 @@ class Backend:
         """A store that cannot open, and the message StoreError must match."""
         raise NotImplementedError
 
+    async def forget_since(self, product_id: int, job_id: int) -> None:
+        """Do to the ids what restoring a backup from before this product and
+        this job does: they, and those after them, are handed out again."""
+        raise NotImplementedError
+
 
 class SqliteBackend(Backend):
     name = "sqlite"
@@ -86,6 +91,12 @@ class SqliteBackend(Backend):
     def unopenable_store(self) -> tuple[Store, str]:
         (self.folder / "file").write_text("x")
         return SqliteStore(str(self.folder / "file" / "toko.db")), "cannot open database"
+
+    async def forget_since(self, product_id: int, job_id: int) -> None:
+        # SQLite numbers a new row one past the largest id: gone rows' ids come back.
+        with closing(sqlite3.connect(self.path)) as conn, conn:
+            conn.execute("DELETE FROM jobs WHERE id >= ?", (job_id,))
+            conn.execute("DELETE FROM products WHERE id >= ?", (product_id,))
 
 
 class PostgresBackend(Backend):
@@ -117,6 +128,13 @@ class PostgresBackend(Backend):
     def unopenable_store(self) -> tuple[Store, str]:
         # The right server, the wrong password: refused at authentication.
         return PostgresStore(self.url, password="wrong"), "cannot open database"
+
+    async def forget_since(self, product_id: int, job_id: int) -> None:
+        # pg_restore puts the sequences back where the dump found them.
+        await self.rows(f"DELETE FROM jobs WHERE id >= {int(job_id)}")
+        await self.rows(f"DELETE FROM products WHERE id >= {int(product_id)}")
+        await self.rows(f"SELECT setval('jobs_id_seq', {int(job_id)}, false)")
+        await self.rows(f"SELECT setval('products_id_seq', {int(product_id)}, false)")
 
 
 @pytest.fixture(scope="session")

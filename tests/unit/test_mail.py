@@ -10,24 +10,49 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 import pytest
 import trustme
 
-from service.mail import EHLO_NAME, EhloName, Email, MailError, RecipientsDeferred, SmtpMailer
+from service.mail import (
+    EHLO_NAME,
+    EhloName,
+    Email,
+    MailError,
+    RecipientsDeferred,
+    SmtpMailer,
+    message_id,
+)
 from service.mail_connections import REUSE_SECONDS, ConnectionCache
+from service.models import NewJob, Product, stored_job
 from service.settings import SmtpTarget
+from service.tasks import (
+    HANDLERS,
+    JobContext,
+    UnitFailure,
+    alert_email_job,
+    product_email_job,
+    recap_email_job,
+)
 from tests.support.smtp import SmtpServer, server_tls
 from tests.unit.conftest import FakeClock
 
 OWNERS = ("bos@toko.test", "kasir@toko.test")
+# A job's enqueue time (jobs.created_at), which its Message-ID is made of with its id.
+ENQUEUED = 1_764_520_000.123456
 
 
 @pytest.mark.parametrize("separator", ["\n", "\r\n", "\u2028", "\u2029", "\x85"])
 def test_a_subject_with_a_line_break_is_sent_on_one_line(separator: str) -> None:
     # Products stored before nama refused these would otherwise fail every attempt.
     mail = Email(
-        7, "toko@toko.test", ("bos@toko.test",), f"Produk baru: Kopi{separator}Susu", "isi"
+        7,
+        ENQUEUED,
+        "toko@toko.test",
+        ("bos@toko.test",),
+        f"Produk baru: Kopi{separator}Susu",
+        "isi",
     )
     raw = mail.to_mime().as_bytes(policy=email.policy.SMTP)
     head = raw.split(b"\r\n\r\n")[0].decode("ascii")
@@ -36,13 +61,51 @@ def test_a_subject_with_a_line_break_is_sent_on_one_line(separator: str) -> None
 
 
 def test_message_id_comes_from_the_job_and_the_sender_domain() -> None:
-    mail = Email(42, "kasir@toko.test", ("bos@toko.test",), "Produk baru: Teh", "isi")
-    assert mail.to_mime()["Message-ID"] == "<job-42@toko.test>"
+    mail = Email(42, ENQUEUED, "kasir@toko.test", ("bos@toko.test",), "Produk baru: Teh", "isi")
+    assert mail.to_mime()["Message-ID"] == "<job-42.1764520000123@toko.test>"
+    assert mail.log_fields()["MESSAGE_ID"] == "<job-42.1764520000123@toko.test>"
+
+
+def test_a_job_keeps_its_message_id_and_a_job_that_only_shares_its_id_gets_another() -> None:
+    # Every attempt of a job reads the same id and enqueue time: one Message-ID.
+    assert message_id(42, ENQUEUED, "toko@toko.test") == message_id(42, ENQUEUED, "toko@toko.test")
+    # A restore from backup hands id 42 out again, to a job enqueued later:
+    # the admin's mailbox must not take its email for one it already has.
+    assert message_id(42, ENQUEUED + 3600, "toko@toko.test") != message_id(
+        42, ENQUEUED, "toko@toko.test"
+    )
+    assert message_id(42, ENQUEUED + 0.001, "toko@toko.test") != message_id(
+        42, ENQUEUED, "toko@toko.test"
+    )
+
+
+@pytest.mark.parametrize(
+    "new_job",
+    [
+        product_email_job(Product(3, "Teh", 45000, ENQUEUED), 5),
+        recap_email_job("2026-11-29", 10, 2, 5),
+        alert_email_job(UnitFailure("toko-backup.service", "toko1", "2026-11-29T02:30:00Z"), 5),
+    ],
+    ids=lambda job: job.kind,
+)
+async def test_every_kind_of_email_is_named_after_its_job_id_and_enqueue_time(
+    smtp: SmtpServer, mailer: SmtpMailer, new_job: NewJob
+) -> None:
+    # A retry is due later than the job was enqueued: its Message-ID stays.
+    job = replace(stored_job(42, new_job, ENQUEUED), attempts=2, run_at=ENQUEUED + 60)
+    await HANDLERS[job.kind](job, JobContext(mailer, "toko@toko.test", ("bos@toko.test",)))
+    (sent,) = smtp.delivered()
+    assert sent.message_id == "<job-42.1764520000123@toko.test>"
 
 
 def test_every_recipient_is_in_the_to_header() -> None:
     mail = Email(
-        5, "toko@toko.test", ("bos@toko.test", "kasir@toko.test"), "Produk baru: Teh", "isi"
+        5,
+        ENQUEUED,
+        "toko@toko.test",
+        ("bos@toko.test", "kasir@toko.test"),
+        "Produk baru: Teh",
+        "isi",
     )
     assert mail.to_mime()["To"] == "bos@toko.test, kasir@toko.test"
     assert mail.log_fields()["TO"] == "bos@toko.test, kasir@toko.test"
@@ -76,7 +139,9 @@ def mailer(mailers: MailerFactory) -> SmtpMailer:
 
 
 def owners_email(resend_to: tuple[str, ...] = ()) -> Email:
-    return Email(9, "toko@toko.test", OWNERS, "Produk baru: Teh", "isi", resend_to=resend_to)
+    return Email(
+        9, ENQUEUED, "toko@toko.test", OWNERS, "Produk baru: Teh", "isi", resend_to=resend_to
+    )
 
 
 async def test_an_admin_deferred_while_another_accepts_is_the_only_one_left(
@@ -132,14 +197,16 @@ async def test_a_resend_goes_to_those_left_with_the_same_message(
     (mail,) = smtp.delivered()
     assert mail.to == ("kasir@toko.test",)
     assert str(mail.headers["To"]) == ", ".join(OWNERS)
-    assert mail.message_id == "<job-9@toko.test>"
+    assert mail.message_id == owners_email().message_id
 
 
 # Connections kept between emails ------------------------------------------
 
 
 def product_email(job_id: int) -> Email:
-    return Email(job_id, "toko@toko.test", ("bos@toko.test",), f"Produk baru: #{job_id}#", "isi")
+    return Email(
+        job_id, ENQUEUED, "toko@toko.test", ("bos@toko.test",), f"Produk baru: #{job_id}#", "isi"
+    )
 
 
 def connections_used(smtp: SmtpServer) -> list[int]:

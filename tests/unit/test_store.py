@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from service.models import NewJob, Product
+from service.mail import LogMailer
+from service.models import Job, NewJob, Product, stored_job
 from service.store.admin import QueueAdmin
 from service.store.base import ABANDONED_ERROR, Store, StoreError
 from service.store.group_commit import GroupCommitWriter
 from service.store.migrations import LATEST_VERSION, MIGRATIONS, migrate
 from service.store.postgres import PostgresStore
 from service.store.sqlite import SqliteStore, _create_products, connect
-from service.tasks import product_email_job
+from service.tasks import HANDLERS, JobContext, product_email_job
 from tests.unit.conftest import Backend, FakeClock
 
 
@@ -412,6 +413,63 @@ async def test_a_job_enqueued_leased_is_already_claimed(store: Store, clock: Fak
     again = await store.claim(5, 60)
     assert sorted(j.id for j in again) == sorted([lone, with_product])
     assert all(j.attempts == 2 for j in again)
+
+
+async def _message_id_of(job: Job, caplog: pytest.LogCaptureFixture) -> str:
+    """The Message-ID of the email the job's handler sends (to the log)."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="toko.mail"):
+        await HANDLERS[job.kind](job, JobContext(LogMailer(), "toko@toko.test", ("bos@toko.test",)))
+    (logged,) = [r for r in caplog.records if r.getMessage() == "email logged"]
+    return str(logged.MESSAGE_ID)
+
+
+async def test_every_read_of_a_job_gives_the_enqueue_time_it_was_stored_with(
+    store: Store, clock: FakeClock
+) -> None:
+    # Its email's Message-ID is made of it, on every attempt, by any process.
+    clock.now = 1_764_520_000.123456
+    product, job_id = await store.create_product(
+        "Kopi", 1, lambda p: product_email_job(p, 3, leased_for=60)
+    )
+    assert job_id is not None
+    # POST /produk runs a leased job without reading it: it builds it so.
+    built = stored_job(job_id, product_email_job(product, 3, leased_for=60), product.created_at)
+    assert await store.get_job(job_id) == built
+    clock.now += 61  # the lease runs out: claimed again, later
+    (claimed,) = await store.claim(5, 60)
+    await store.retry(claimed, "SMTP 451: try later", clock.now + 10)
+    clock.now += 11
+    (retried,) = await store.claim(5, 60)
+    assert claimed.created_at == retried.created_at == built.created_at == 1_764_520_000.123456
+    assert retried.run_at != built.run_at
+    lone_id = await store.enqueue(NewJob("k", {}, 3))
+    (lone,) = await store.claim(5, 60)
+    assert lone.id == lone_id and lone.created_at == clock.now
+
+
+async def test_a_job_id_handed_out_again_after_a_restore_gets_another_message_id(
+    store: Store, backend: Backend, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    await store.create_product("Kopi", 1, email_job)  # in the backup
+    product, job_id = await store.create_product("Teh", 1, email_job)
+    (_, teh) = await store.claim(5, 86400)  # Kopi's job stays out of the way
+    assert teh.id == job_id
+    teh_mid = await _message_id_of(teh, caplog)
+
+    await backend.forget_since(product.id, job_id)  # a restore of that backup
+    clock.now += 3600
+    _, again = await store.create_product("Susu", 1, email_job)
+    assert again == job_id  # the restore gave Teh's job id to Susu's job
+    (susu,) = await store.claim(5, 60)
+    assert susu.payload["nama"] == "Susu"
+    susu_mid = await _message_id_of(susu, caplog)
+    assert susu_mid != teh_mid
+    # And it keeps that one on its next attempt.
+    clock.now += 61
+    (susu_again,) = await store.claim(5, 60)
+    assert susu_again.attempts == 2
+    assert await _message_id_of(susu_again, caplog) == susu_mid
 
 
 async def test_retry_waits_until_due(store: Store, clock: FakeClock) -> None:

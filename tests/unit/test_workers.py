@@ -9,7 +9,7 @@ import pytest
 
 from service import workers
 from service.mail import Email
-from service.models import Job, NewJob, leased_job
+from service.models import Job, NewJob
 from service.settings import Settings
 from service.store.base import Store, StoreError
 from service.tasks import JobContext
@@ -52,6 +52,13 @@ async def wait_state(store: Store, job_id: int, state: str) -> Job:
             if job is not None and job.state == state:
                 return job
             await asyncio.sleep(0.01)  # no event for a row change; poll with a deadline
+
+
+async def enqueue_stored(store: Store, job: NewJob) -> Job:
+    """Enqueue ``job`` and read it back: the Job a write for enqueue_here returns."""
+    stored = await store.get_job(await store.enqueue(job))
+    assert stored is not None
+    return stored
 
 
 def signalling_handler() -> tuple[asyncio.Event, HandlerFn]:
@@ -125,10 +132,9 @@ async def test_a_reserved_job_runs_without_a_claim(
 
     monkeypatch.setattr(store, "claim", recording_claim)
 
-    async def write(leased_for: float | None) -> tuple[None, int, NewJob]:
+    async def write(leased_for: float | None) -> tuple[None, Job]:
         assert leased_for == pool._config.lease_seconds  # a slot is free
-        job = NewJob("k", {}, 3, leased_for=leased_for)
-        return None, await store.enqueue(job), job
+        return None, await enqueue_stored(store, NewJob("k", {}, 3, leased_for=leased_for))
 
     _, job_id = await pool.enqueue_here(write)
     async with asyncio.timeout(5):
@@ -238,8 +244,8 @@ async def test_a_write_that_stored_no_job_gives_its_slot_back(
     pool = make_pool(handler, workers=1)
     await start_parked(pool, store, monkeypatch)
 
-    async def write_nothing(leased_for: float | None) -> tuple[str, None, None]:
-        return "answered", None, None
+    async def write_nothing(leased_for: float | None) -> tuple[str, None]:
+        return "answered", None
 
     for _ in range(5):  # more than the pool's two slots
         assert await pool.enqueue_here(write_nothing) == ("answered", None)
@@ -288,9 +294,8 @@ async def test_without_a_free_slot_the_job_waits_pending_for_the_claimer(
     pool = make_pool(handler, workers=1)
     await start_parked(pool, store, monkeypatch)
 
-    async def write(leased_for: float | None) -> tuple[None, int, NewJob]:
-        job = NewJob("k", {}, 3, leased_for=leased_for)
-        return None, await store.enqueue(job), job
+    async def write(leased_for: float | None) -> tuple[None, Job]:
+        return None, await enqueue_stored(store, NewJob("k", {}, 3, leased_for=leased_for))
 
     ids = [(await pool.enqueue_here(write))[1] for _ in range(3)]
     states = [(await store.get_job(i)).state for i in ids]  # type: ignore[union-attr]
@@ -346,9 +351,9 @@ async def test_stop_puts_back_a_leased_job_that_never_started(
     await start_parked(pool, store, monkeypatch)
     ids = []
     for _ in range(2):
-        new = NewJob("k", {}, 3, leased_for=pool.reserve())
-        ids.append(await store.enqueue(new))
-        pool.dispatch(leased_job(ids[-1], new, 0.0))
+        job = await enqueue_stored(store, NewJob("k", {}, 3, leased_for=pool.reserve()))
+        ids.append(job.id)
+        pool.dispatch(job)
     await started.wait()
 
     def on_tick(busy: int) -> None:
