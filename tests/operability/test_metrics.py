@@ -87,6 +87,8 @@ async def test_metrics_move_as_jobs_run(service_factory: ServiceFactory, smtp: S
     assert after.value("toko_workers_alive") == 2
     routes = {dict(labels).get("route") for _, labels in after.samples}
     assert "/tidak-ada" not in routes
+    # Only the series the README lists: no *_created beside each counter.
+    assert not [name for name, _ in after.samples if name.endswith("_created")]
 
 
 def test_each_app_has_its_own_registry() -> None:
