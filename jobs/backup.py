@@ -34,6 +34,9 @@ PREFIX = "toko-"
 SUFFIX = ".db"
 # Held while a backup is written; hidden, and never named like a backup.
 LOCK_NAME = ".toko-backup.lock"
+# The socket too: with it listening, the next connection starts toko-api
+# again, and the restore an admin retries is refused once more.
+STOP_API = "systemctl stop toko-api.socket toko-api"
 
 
 def backup_name(now: float, suffix: str = SUFFIX) -> str:
@@ -185,9 +188,7 @@ def restore(database: str, source: Path) -> Path | None:
     try:
         lock.acquire()  # also keeps toko-api from starting mid-restore
     except InstanceLocked:
-        raise JobFailed(
-            "toko-api is running; stop it first (systemctl stop toko-api), then restore"
-        ) from None
+        raise JobFailed(f"toko-api is running; stop it first ({STOP_API}), then restore") from None
     try:
         db = Path(database)
         kept: Path | None = None

@@ -28,7 +28,7 @@ from typing import IO
 
 import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 
-from jobs.backup import PREFIX, backup_name, list_backups, publish_backup
+from jobs.backup import PREFIX, STOP_API, backup_name, list_backups, publish_backup
 from jobs.common import JobFailed
 from service.settings import Settings
 from service.store.disk import fsync_dir, fsync_file
@@ -154,7 +154,7 @@ async def _restore(settings: Settings, source: Path, folder: Path) -> Path | Non
             raise JobFailed(
                 "toko-api is connected to this database from "
                 + ", ".join(apis)
-                + "; stop it on every host first (systemctl stop toko-api), then restore"
+                + f"; stop it on every host first ({STOP_API}), then restore"
             )
         kept: Path | None = None
         if await conn.fetchval("SELECT to_regclass('products') IS NOT NULL"):

@@ -156,6 +156,8 @@ async def test_backup_while_writing_restores_into_an_empty_database(
     )
     assert refused.returncode == 1
     assert "toko-api is connected to this database" in refused.stderr
+    # Its socket too, or the next connection starts it again.
+    assert "(systemctl stop toko-api.socket toko-api)" in refused.stderr
     assert len(await fetch(pg_cluster, pg_url, "SELECT id FROM products")) == len(created)
     # ... and works once it is stopped, keeping the replaced contents.
     api.terminate()

@@ -162,8 +162,11 @@ async def test_restore_refuses_while_the_api_holds_the_lock(tmp_path: Path) -> N
     lock.acquire()
     try:
         assert is_locked(db)
-        with pytest.raises(JobFailed, match="toko-api is running"):
+        with pytest.raises(JobFailed, match="toko-api is running") as refused:
             backup.restore(db, saved)
+        # The socket as well: left listening, it starts toko-api again at the
+        # next connection, and the admin's next try is refused the same way.
+        assert "(systemctl stop toko-api.socket toko-api)" in str(refused.value)
     finally:
         lock.release()
     await seed(db, 5)
