@@ -246,27 +246,32 @@ def test_backups_outside_the_state_directory_with_the_readmes_drop_in(toko: Depl
             toko.machine.run(["systemctl", "daemon-reload"])
 
 
-# The README's way to run a toko command by hand: as toko, with the service's settings.
-AS_SERVICE = (
-    "systemd-run --pipe --wait --quiet --uid=toko -p StateDirectory=toko "
-    "-p EnvironmentFile=-/etc/toko/toko.env /opt/toko/venv/bin/"
-)
-RESTORE = AS_SERVICE + "toko-backup --restore {}"
+def as_service(command: str) -> str:
+    """``command`` run by hand the README's way: through its ``toko`` helper
+    (systemd-run as toko, with the service's settings), as an admin pastes it."""
+    block = readme_block("toko toko-backup --list")
+    helper = block[: block.index("\n}\n") + 3]
+    return NO_SUDO + helper + f"toko {command}\n"
 
 
 def test_restore_refused_while_running_then_restores(toko: Deployment) -> None:
     backup = toko.machine.sh("ls /var/lib/toko/backups/toko-*.db").stdout.split()[-1]
-    assert backup in toko.machine.sh(AS_SERVICE + "toko-backup --list").stdout
+    assert backup in toko.machine.sh(as_service("toko-backup --list")).stdout
     in_backup = toko.sql_at(backup, "SELECT count(*) FROM products")[0][0]
     toko.post_product("Tidak di backup")
-    proc = toko.machine.sh(RESTORE.format(backup), check=False)
+    proc = toko.machine.sh(as_service(f"toko-backup --restore {backup}"), check=False)
     assert proc.returncode != 0, proc
     assert len(proc.stderr.strip().splitlines()) == 1, proc
     assert "toko-api" in proc.stderr
     assert toko.show("toko-api.service", "ActiveState") == "active"
+    # The helper leaves the state directory as the units keep it, and a
+    # command that failed no failed unit behind (the system stays "running").
+    assert toko.machine.run(["stat", "-c", "%a", "/var/lib/toko"]).stdout.strip() == "700"
+    failed = toko.machine.run(["systemctl", "list-units", "--failed", "--no-legend", "run-*"])
+    assert failed.stdout.strip() == "", failed.stdout
 
     toko.machine.run(["systemctl", "stop", "toko-api.socket", "toko-api.service"])
-    toko.machine.sh(RESTORE.format(backup))
+    toko.machine.sh(as_service(f"toko-backup --restore {backup}"))
     toko.machine.run(["systemctl", "start", "toko-api.socket", "toko-api.service"])
     toko.wait_serving()
     assert toko.sql("SELECT count(*) FROM products")[0][0] == in_backup
