@@ -42,7 +42,7 @@ JOB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30
 # Without this, every counter and histogram also exports a *_created series
 # (its creation time): twice the series to store, none that toko's alerts or
 # the README's table use. Process-wide, as prometheus-client has it.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # the library has no annotation here
 
 
 def route_label(request: web.Request) -> str:
