@@ -142,6 +142,10 @@ class StructuredJournalHandler(JournalHandler):  # type: ignore[misc]
     The stock handler forwards every attribute of the record (``args``,
     ``msecs``, ...); journald drops the lower-case ones anyway, and building
     them costs time on every line.
+
+    An entry's ``ERROR`` (why a job failed) is also appended to its message:
+    ``journalctl`` shows the message alone, and "job failed, will retry"
+    without the reason sends an admin looking for ``--output-fields``.
     """
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -149,6 +153,8 @@ class StructuredJournalHandler(JournalHandler):  # type: ignore[misc]
             message = self.format(record)
             fields = dict(self._extra)
             fields.update((k, v) for k, v in record_fields(record).items() if k.isupper())
+            if "ERROR" in fields:
+                message = f"{message}: {fields['ERROR']}"
             if record.exc_info:
                 fields["EXCEPTION_TEXT"] = self.formatter.formatException(record.exc_info)
             fields["PRIORITY"] = str(self.map_priority(record.levelno))

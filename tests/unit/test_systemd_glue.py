@@ -94,3 +94,23 @@ def test_journal_entries_carry_only_our_fields() -> None:
     assert fields["JOB_ID"] == 7
     assert fields["PRIORITY"] == "3"
     assert all(key.isupper() for key in fields)
+
+
+def test_journal_messages_say_why_a_job_failed() -> None:
+    # journalctl shows MESSAGE alone: the reason must be in it, not only in ERROR.
+    from service.logs import StructuredJournalHandler
+
+    sent: list[tuple[str, dict[str, object]]] = []
+    handler = StructuredJournalHandler(
+        sender_function=lambda message, **fields: sent.append((message, fields)),
+        SYSLOG_IDENTIFIER="toko-api",
+    )
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    record = logging.LogRecord(
+        "toko.worker", logging.WARNING, __file__, 1, "job failed, will retry", (), None
+    )
+    record.ERROR = "SMTPRecipientsRefused: 450 mailbox busy"
+    handler.emit(record)
+    ((message, fields),) = sent
+    assert message == "job failed, will retry: SMTPRecipientsRefused: 450 mailbox busy"
+    assert fields["ERROR"] == "SMTPRecipientsRefused: 450 mailbox busy"
