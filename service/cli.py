@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+from types import FrameType
 
 from service import __version__
 from service.logs import setup_logging
@@ -54,6 +56,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class StopSignals:
+    """SIGTERM and SIGINT noted, rather than ending the process, from now until
+    the event loop takes them over (``asked`` tells the runner).
+
+    Loading the server (aiohttp and the rest) takes a few hundred milliseconds,
+    most of a start-up on SQLite: a `systemctl stop` then killed toko-api by
+    the signal, with no word in the journal, and a Ctrl-C printed a
+    KeyboardInterrupt traceback. Noted, either ends the start-up as one that
+    comes while the store opens does.
+    """
+
+    def __init__(self) -> None:
+        self.asked = False
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._note)
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.asked = True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -65,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         print("toko-api: configuration is valid")
         return 0
+    stop_signals = StopSignals()
     # Imported here, not at the top: --version, --help and --check-config
     # answer without loading aiohttp and the rest of the server.
     from service.runner import run
@@ -84,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"toko-api: cannot use {settings.database}: {exc}", file=sys.stderr)
         return 1
     try:
-        return run(settings)
+        return run(settings, lambda: stop_signals.asked)
     except StoreError as exc:
         log.critical("cannot start: %s", exc)
         print(f"toko-api: {exc}", file=sys.stderr)

@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -42,7 +43,13 @@ class SideTaskDied(RuntimeError):
     pass
 
 
-async def serve(settings: Settings) -> None:
+def _not_asked() -> bool:
+    return False
+
+
+async def serve(settings: Settings, stop_asked: Callable[[], bool] = _not_asked) -> None:
+    """Run toko-api until SIGTERM or SIGINT; ``stop_asked()`` tells whether one
+    came already, before the event loop's handlers were in place."""
     notifier = Notifier(settings.notify_socket)
     app = create_app(settings, notifier)
     # aiohttp's keep-alive timer also closes a connection that has not sent a
@@ -61,6 +68,8 @@ async def serve(settings: Settings) -> None:
     loop.set_exception_handler(LoopErrorThrottle())
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    if stop_asked():
+        stop.set()
     loop.add_signal_handler(signal.SIGHUP, _ignore_hangup)
     started = time.monotonic()
     open_files = raise_open_files_limit()
@@ -225,14 +234,14 @@ def _install_fault_injection(
     loop.add_signal_handler(signal.SIGUSR2, block)
 
 
-def run(settings: Settings) -> int:
+def run(settings: Settings, stop_asked: Callable[[], bool] = _not_asked) -> int:
     # The GIL switch interval stays at Python's 5 ms. A shorter one (0.5 ms was
     # tried) makes the event loop hand the GIL to the SQLite writer thread far
     # more often, and the hand-offs cost more than the writer gains: about 20 %
     # fewer POSTs per second at 16 connections, no gain at 1 or 4.
     with contextlib.suppress(KeyboardInterrupt):
         try:
-            asyncio.run(serve(settings))
+            asyncio.run(serve(settings, stop_asked))
         except SideTaskDied:
             return 1
     return 0

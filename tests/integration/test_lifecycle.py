@@ -208,6 +208,37 @@ async def test_a_stop_while_another_process_holds_the_sqlite_write_lock_ends_sta
         writer.close()
 
 
+# toko-api as its console script runs it, but sending itself ``signal`` as it
+# starts loading the server (aiohttp and the rest: a few hundred milliseconds,
+# most of a start-up on SQLite), the likeliest moment for an early stop.
+SIGNAL_WHILE_LOADING = """
+import os, signal, sys
+from service.cli import main
+
+class SignalOnLoad:
+    def find_spec(self, name, path=None, target=None):
+        if name == "service.runner":
+            os.kill(os.getpid(), signal.{name})
+        return None
+
+sys.meta_path.insert(0, SignalOnLoad())
+sys.exit(main([]))
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_a_stop_while_the_server_is_still_loading_ends_start_up(
+    service_factory: ServiceFactory, signum: signal.Signals
+) -> None:
+    # Found by a soak: a SIGTERM in the first ~0.3 s killed toko-api by the
+    # signal (no line in the journal), and a SIGINT printed a traceback.
+    code = SIGNAL_WHILE_LOADING.format(name=signum.name)
+    svc = service_factory(executable=Path(sys.executable), args=["-c", code])
+    asked_at = time.monotonic()
+    svc.start()
+    await _assert_start_up_stopped(svc, asked_at)
+
+
 async def test_sighup_is_logged_and_ignored(service_factory: ServiceFactory) -> None:
     # Its default action would end the process undrained, and systemd would
     # count that as a clean exit: Restart=on-failure would not bring it back.
