@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from service.auth import bearer_auth
 from service.errors import json_errors
@@ -73,6 +73,10 @@ async def _close_connections_when_draining(
 ) -> None:
     if request.app[HTTP_STATE].draining:
         response.force_close()
+        # aiohttp has chosen the Connection header by now (before this signal):
+        # without saying so, the client would send its next request on a
+        # connection that closes after this answer, and get no answer to it.
+        response.headers[hdrs.CONNECTION] = "close"
 
 
 async def _store_ctx(app: web.Application) -> AsyncIterator[None]:

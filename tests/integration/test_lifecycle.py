@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from itertools import pairwise
 from pathlib import Path
 
@@ -237,6 +237,56 @@ async def test_a_stop_while_the_server_is_still_loading_ends_start_up(
     asked_at = time.monotonic()
     svc.start()
     await _assert_start_up_stopped(svc, asked_at)
+
+
+async def test_an_answer_while_stopping_tells_the_client_the_connection_closes(
+    service_factory: ServiceFactory,
+) -> None:
+    # Found by a soak: at every clean stop, clients with kept-alive connections
+    # (a proxy's pool, aiohttp's) lost a request or two without an answer. The
+    # answers given while stopping closed their connection without saying so,
+    # and the client sent its next request on it.
+    svc = service_factory().start()
+    await svc.async_wait_ready(timeout=20)
+    body_sent = asyncio.Event()
+    finish_body = asyncio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b'{"nama": "Kopi", '
+        body_sent.set()
+        await finish_body.wait()  # held in flight across the SIGTERM
+        yield b'"harga": 15000}'
+
+    async with aiohttp.ClientSession() as session:
+        await create_product(session, svc.base_url, "first, kept alive", 1)
+        in_flight = asyncio.create_task(
+            session.post(
+                svc.url("/produk"), data=body(), headers={"Content-Type": "application/json"}
+            )
+        )
+        await body_sent.wait()
+        svc.terminate()
+        await _until_refused(svc.port, timeout=10)  # stopped accepting: now draining
+        finish_body.set()
+        async with await in_flight as response:
+            assert response.status == 201, await response.text()
+            assert response.headers.get("Connection") == "close", dict(response.headers)
+    assert await svc.async_wait_exit(timeout=15) == 0
+
+
+async def _until_refused(port: int, timeout: float) -> None:  # noqa: ASYNC109
+    """Until connections to ``port`` are refused: toko-api closed its socket.
+
+    Nothing else tells from outside that it has stopped accepting, so look.
+    """
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+            except ConnectionRefusedError:
+                return
+            writer.close()
+            await asyncio.sleep(0.01)
 
 
 async def test_sighup_is_logged_and_ignored(service_factory: ServiceFactory) -> None:
