@@ -64,13 +64,16 @@ class StopSignals:
     most of a start-up on SQLite: a `systemctl stop` then killed toko-api by
     the signal, with no word in the journal, and a Ctrl-C printed a
     KeyboardInterrupt traceback. Noted, either ends the start-up as one that
-    comes while the store opens does.
+    comes while the store opens does. A SIGHUP is ignored, as it is later:
+    its default would end the process in a way systemd counts as clean, so
+    Restart=on-failure would leave the API down.
     """
 
     def __init__(self) -> None:
         self.asked = False
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._note)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         self.asked = True

@@ -239,6 +239,20 @@ async def test_a_stop_while_the_server_is_still_loading_ends_start_up(
     await _assert_start_up_stopped(svc, asked_at)
 
 
+async def test_a_sighup_while_the_server_is_still_loading_is_ignored(
+    service_factory: ServiceFactory,
+) -> None:
+    # As once it runs (test_sighup_is_logged_and_ignored): its default action
+    # would end toko-api in a way systemd counts as clean, and leave it down.
+    code = SIGNAL_WHILE_LOADING.format(name="SIGHUP")
+    svc = service_factory(executable=Path(sys.executable), args=["-c", code]).start()
+    await svc.async_wait_ready(timeout=20)
+    async with aiohttp.ClientSession() as session:
+        await create_product(session, svc.base_url, "after an early SIGHUP", 1)
+    svc.terminate()
+    assert await svc.async_wait_exit(timeout=15) == 0
+
+
 async def test_an_answer_while_stopping_tells_the_client_the_connection_closes(
     service_factory: ServiceFactory,
 ) -> None:
