@@ -74,7 +74,8 @@ def test_json_lines_carry_structured_fields() -> None:
     assert line["ts"].endswith("Z")
 
 
-def test_journal_entries_carry_only_our_fields() -> None:
+def _journal_entry(record: logging.LogRecord) -> tuple[str, dict[str, object]]:
+    """(MESSAGE, fields) that toko's journal handler sends for ``record``."""
     from service.logs import StructuredJournalHandler
 
     sent: list[tuple[str, dict[str, object]]] = []
@@ -84,11 +85,16 @@ def test_journal_entries_carry_only_our_fields() -> None:
 
     handler = StructuredJournalHandler(sender_function=send, SYSLOG_IDENTIFIER="toko-api")
     handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.emit(record)
+    ((message, fields),) = sent
+    return message, fields
+
+
+def test_journal_entries_carry_only_our_fields() -> None:
     record = logging.LogRecord("toko.worker", logging.ERROR, __file__, 1, "job %s", ("x",), None)
     record.JOB_ID = 7
     record.lower = "dropped"
-    handler.emit(record)
-    ((message, fields),) = sent
+    message, fields = _journal_entry(record)
     assert message == "job x"
     assert fields["SYSLOG_IDENTIFIER"] == "toko-api"
     assert fields["JOB_ID"] == 7
@@ -98,19 +104,10 @@ def test_journal_entries_carry_only_our_fields() -> None:
 
 def test_journal_messages_say_why_a_job_failed() -> None:
     # journalctl shows MESSAGE alone: the reason must be in it, not only in ERROR.
-    from service.logs import StructuredJournalHandler
-
-    sent: list[tuple[str, dict[str, object]]] = []
-    handler = StructuredJournalHandler(
-        sender_function=lambda message, **fields: sent.append((message, fields)),
-        SYSLOG_IDENTIFIER="toko-api",
-    )
-    handler.setFormatter(logging.Formatter("%(message)s"))
     record = logging.LogRecord(
         "toko.worker", logging.WARNING, __file__, 1, "job failed, will retry", (), None
     )
     record.ERROR = "SMTPRecipientsRefused: 450 mailbox busy"
-    handler.emit(record)
-    ((message, fields),) = sent
+    message, fields = _journal_entry(record)
     assert message == "job failed, will retry: SMTPRecipientsRefused: 450 mailbox busy"
     assert fields["ERROR"] == "SMTPRecipientsRefused: 450 mailbox busy"
