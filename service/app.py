@@ -31,8 +31,11 @@ from service.workers import PoolConfig, WorkerPool
 
 log = logging.getLogger("toko.app")
 
-# How much longer systemd should wait each time we report drain progress.
+# How much longer systemd should wait each time we report stop progress.
 EXTEND_STOP_SECONDS = 3.0
+# ... and for the store's close: PostgreSQL gives up on a silent database after
+# 5 s; SQLite waits up to its 10 s busy timeout for another process's lock.
+EXTEND_CLOSE_SECONDS = 15.0
 
 
 def make_mailer(settings: Settings) -> Mailer:
@@ -86,6 +89,8 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
     app[HEALTH] = HealthReads(store)
     yield
     await app[HEALTH].close()
+    # Closing waits for the last writes, up to the store's own limits.
+    app[NOTIFIER].extend_timeout(EXTEND_CLOSE_SECONDS, "stopping: closing the store")
     await store.close()
     batches, writes = getattr(store, "writer_stats", (0, 0))
     # writes/batches is the group-commit factor: how many writes shared an fsync.
@@ -108,12 +113,10 @@ async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     notifier = app[NOTIFIER]
 
-    def report(busy: int) -> None:
-        status = f"draining: {busy} job(s) still running"
-        log.info("draining", extra={"JOBS_RUNNING": busy})
+    def still_stopping(status: str) -> None:
         notifier.extend_timeout(EXTEND_STOP_SECONDS, status)
 
-    left = await pool.stop(settings.drain_timeout, report)
+    left = await pool.stop(settings.drain_timeout, still_stopping)
     await mailer.close()  # after the last job: a QUIT to each idle SMTP connection
     if left:
         log.warning(

@@ -41,6 +41,14 @@ SWEEP_SECONDS = 1.0
 STORE_RETRY_SECONDS = 1.0
 # How long stop() waits for a claim in flight before cancelling it.
 CLAIMER_STOP_SECONDS = 5.0
+# How long stop() waits for each of its own writes: putting back unstarted
+# jobs, then marking the last ones done. A store that hangs (a locked table, a
+# silent database host) would otherwise hold the exit for its command timeout
+# per write, past systemd's TimeoutStopSec=. What is not written is safe: those
+# jobs run again (at the next start, or when their lease expires).
+STOP_WRITE_SECONDS = 5.0
+# stop() reports that it still waits this often (EXTEND_TIMEOUT_USEC).
+STOP_TICK_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 3600.0
 # More deaths than this within the window and the pool gives up replacing.
 DEATH_BUDGET = 5
@@ -102,6 +110,7 @@ class WorkerPool:
         self._claimer: asyncio.Task[None] | None = None
         self._acker: asyncio.Task[None] | None = None
         self._acks: list[Job] = []
+        self._acks_in_flight = 0  # taken from _acks by the write in flight
         self._late: list[Job] = []  # leased jobs dispatched after stop() began
         # Leased to us and not yet acked, retried or failed in the store: never
         # claimed again by us, even if a clock step makes their leases look expired.
@@ -218,12 +227,13 @@ class WorkerPool:
                 task.cancel("fault injection")
                 return
 
-    async def stop(self, drain_timeout: float, on_tick: Callable[[int], None]) -> int:
+    async def stop(self, drain_timeout: float, on_wait: Callable[[str], None]) -> int:
         """Stop claiming, let running jobs finish for up to ``drain_timeout``.
 
-        Jobs claimed but not started go back to pending. ``on_tick(busy)`` is
-        called about every second while waiting. Returns how many jobs were
-        still running at the deadline (they run again at the next start).
+        Jobs claimed but not started go back to pending. ``on_wait(status)`` is
+        called about every second while stop() waits (for running jobs, or for
+        the store). Returns how many jobs were still running at the deadline
+        (they run again at the next start).
         """
         self._stopping = True
         await self._stop_claimer()
@@ -232,7 +242,10 @@ class WorkerPool:
             job = self._handoff.get_nowait()
             if job is not None:
                 unstarted.append(job)
-        await self._release(unstarted)
+        if unstarted:
+            await self._write_at_stop(
+                self._release(unstarted), "putting back unstarted jobs", len(unstarted), on_wait
+            )
         for _ in self._workers:
             self._handoff.put_nowait(None)  # each idle worker exits on its None
         deadline = time.monotonic() + drain_timeout
@@ -241,27 +254,63 @@ class WorkerPool:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            on_tick(self._busy)
-            _, pending = await asyncio.wait(pending, timeout=min(1.0, remaining))
+            log.info("draining", extra={"JOBS_RUNNING": self._busy})
+            on_wait(f"draining: {self._busy} job(s) still running")
+            _, pending = await asyncio.wait(pending, timeout=min(STOP_TICK_SECONDS, remaining))
         left = self._busy
         for task in pending:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
+        unsaved = len(self._acks) + len(self._late) + self._acks_in_flight
+        await self._write_at_stop(
+            self._save_last_outcomes(), "marking the last jobs done", unsaved, on_wait
+        )
+        return left
+
+    async def _save_last_outcomes(self) -> None:
         if self._acker is not None and not self._acker.done():
             # Let the acker finish the write in flight and flush the rest.
             self._ack_wakeup.set()
             await self._acker
         await self._flush_acks()
         await self._release(self._late)
-        return left
+
+    async def _write_at_stop(
+        self, write: Awaitable[None], what: str, jobs: int, on_wait: Callable[[str], None]
+    ) -> None:
+        """Await ``write`` for at most STOP_WRITE_SECONDS, reporting each second."""
+        task = asyncio.ensure_future(write)
+        deadline = time.monotonic() + STOP_WRITE_SECONDS
+        while True:
+            remaining = deadline - time.monotonic()
+            done, _ = await asyncio.wait([task], timeout=min(STOP_TICK_SECONDS, remaining))
+            if done:
+                task.result()
+                return
+            if time.monotonic() >= deadline:
+                break
+            on_wait(f"stopping: {what}")
+        # Not awaited: a query to a silent host ignores the cancel until its own
+        # timeout; the store's close() drops its connection.
+        task.cancel()
+        task.add_done_callback(_outcome_seen)
+        log.error(
+            "the store did not answer within %g s while stopping (%s); those jobs may run again",
+            STOP_WRITE_SECONDS,
+            what,
+            extra={"JOBS": jobs},
+        )
 
     async def _release(self, jobs: list[Job]) -> None:
+        if not jobs:
+            return
         try:
             await self._store.release(jobs)
         except StoreError as exc:
             log.error("could not release unstarted jobs: %s", exc, extra={"JOBS": len(jobs)})
-        self._held.difference_update(job.id for job in jobs)
+        finally:
+            self._held.difference_update(job.id for job in jobs)
 
     # claimer ---------------------------------------------------------------------
     async def _stop_claimer(self) -> None:
@@ -409,6 +458,7 @@ class WorkerPool:
         jobs, self._acks = self._acks, []
         if not jobs:
             return
+        self._acks_in_flight = len(jobs)
         try:
             await self._store.complete(jobs)
         except StoreError as exc:
@@ -416,6 +466,7 @@ class WorkerPool:
             # (delivery is at-least-once; the Message-ID tells duplicates apart).
             log.error("could not mark jobs done: %s", exc, extra={"JOBS": len(jobs)})
         finally:
+            self._acks_in_flight = 0
             self._held.difference_update(job.id for job in jobs)
 
     async def _record_failure(
@@ -447,6 +498,12 @@ class WorkerPool:
         log.warning("job failed, will retry", extra={**fields, "RETRY_IN_S": round(delay, 3)})
         self.notify()  # the claimer recomputes when the next job falls due
         return "retried"
+
+
+def _outcome_seen(task: asyncio.Future[None]) -> None:
+    # Whatever it ended with was logged where it happened, or is moot.
+    if not task.cancelled():
+        task.exception()
 
 
 def _describe(exc: Exception) -> str:

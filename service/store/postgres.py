@@ -66,6 +66,8 @@ MAX_BATCH = 512
 LISTEN_PROBE_SECONDS = 30.0
 LISTEN_RETRY_SECONDS = 1.0
 COMMAND_TIMEOUT = 30.0
+# How long close() waits for the database before dropping the connections.
+CLOSE_SECONDS = 5.0
 # Leases and retry times are this host's wall clock, compared on every host:
 # a clock this far from the database server's is worth a warning. Trouble
 # (a job run twice at once) starts once it nears the lease, 30 s or more.
@@ -278,6 +280,25 @@ class PostgresStore:
         raise StoreError(f"{task.get_name()} ended: {reason}")
 
     async def close(self) -> None:
+        """Close, waiting at most CLOSE_SECONDS for the database to answer.
+
+        A database that hangs (a silent host) would otherwise hold each step
+        for the command timeout, past systemd's TimeoutStopSec=; its
+        connections are dropped instead, as a killed process would drop them.
+        """
+        pool = self._pool
+        closing = asyncio.create_task(self._close_gracefully(), name="toko-store-close")
+        done, _ = await asyncio.wait([closing], timeout=CLOSE_SECONDS)
+        if not done and pool is not None:
+            log.warning(
+                "the database did not answer within %g s while closing; dropping its connections",
+                CLOSE_SECONDS,
+            )
+            pool.terminate()
+        with contextlib.suppress(*_DB_ERRORS):
+            await closing
+
+    async def _close_gracefully(self) -> None:
         if self._writer is not None:
             writer, self._writer = self._writer, None
             self._writes.put_nowait(None)  # writes queued before this still commit

@@ -6,18 +6,26 @@ line a second, and a SIGTERM still ends it cleanly."""
 from __future__ import annotations
 
 import asyncio
+import re
+import time
+from pathlib import Path
 
 import aiohttp
 
 from service.health import HEALTH_READ_SECONDS
+from service.store.postgres import CLOSE_SECONDS
+from service.workers import STOP_WRITE_SECONDS
 from tests.conftest import ServiceFactory
 from tests.postgres.conftest import pg_env
 from tests.support.api import create_products, healthz, wait_healthy
+from tests.support.notify import Notification
 from tests.support.postgres import PostgresCluster
 from tests.support.scrape import scrape
+from tests.support.smtp import SmtpServer
 
 STATUS_SECONDS = 5  # service.runner's STATUS= cadence
 THROTTLE_S = 10  # service.logs.Throttle's interval
+UNIT = Path(__file__).parents[2] / "deploy" / "systemd" / "toko-api.service"
 
 
 async def test_a_database_that_is_gone_shows_in_health_and_status(
@@ -112,3 +120,55 @@ async def test_health_answers_in_time_while_the_store_hangs(
     assert any(f"did not answer within {HEALTH_READ_SECONDS:g} s" in line for line in said), said
     api.terminate()
     assert await asyncio.wait_for(api.async_wait_exit(timeout=30), 40) == 0
+
+
+async def test_a_stop_while_the_database_is_silent_ends_before_systemd_kills(
+    service_factory: ServiceFactory,
+    pg_cluster: PostgresCluster,
+    pg_url: str,
+    smtp: SmtpServer,
+) -> None:
+    # Each write at stop (jobs put back, jobs marked done) and the pool's close
+    # waited for the 30 s command timeout of a database host that went silent:
+    # 76 s from SIGTERM to an exit 1 that blamed start-up ("cannot start"), so
+    # systemd would SIGKILL at TimeoutStopSec= and mark the unit failed.
+    smtp.set_delay(2)  # two emails in flight and two claimed behind them
+    env = pg_env(pg_cluster, pg_url, TOKO_SMTP_URL=smtp.url, TOKO_WORKERS="2")
+    api = service_factory(env).start()
+    await api.async_wait_ready(timeout=30)
+    assert api.notify is not None
+    async with aiohttp.ClientSession() as session:
+        await create_products(session, api.base_url, [f"p{i}" for i in range(6)])
+    await smtp.arrivals.async_wait_for(lambda xs: len(xs) >= 2, timeout=10, what="2 in flight")
+    with pg_cluster.frozen():
+        asked = time.monotonic()
+        api.terminate()
+        code = await api.async_wait_exit(timeout=60)
+        exited = time.monotonic()
+    assert code == 0
+    deadline = systemd_stop_deadline(asked, api.notify.log.snapshot(), timeout_stop_seconds())
+    assert exited < deadline, (exited - asked, deadline - asked)
+    said = [str(r.get("message")) for r in api.logs.snapshot()]
+    gave_up = f"the store did not answer within {STOP_WRITE_SECONDS:g} s while stopping"
+    assert any(line.startswith(gave_up) for line in said), said
+    dropped = f"the database did not answer within {CLOSE_SECONDS:g} s while closing"
+    assert any(line.startswith(dropped) for line in said), said
+    assert not any(line.startswith("cannot start") for line in said), said
+
+
+def timeout_stop_seconds() -> float:
+    match = re.search(r"^TimeoutStopSec=(\d+)s$", UNIT.read_text(), re.MULTILINE)
+    assert match is not None, "toko-api.service sets TimeoutStopSec="
+    return float(match.group(1))
+
+
+def systemd_stop_deadline(asked: float, notes: list[Notification], timeout_stop: float) -> float:
+    """When systemd would SIGKILL a stop asked at ``asked``: TimeoutStopSec= after
+    the SIGTERM, or later if EXTEND_TIMEOUT_USEC kept the timer moving (each
+    one allows that long from its arrival, if it comes before the deadline)."""
+    deadline = asked + timeout_stop
+    for note in sorted(notes, key=lambda n: n.at):
+        extend = note.get("EXTEND_TIMEOUT_USEC")
+        if extend is not None and asked <= note.at <= deadline:
+            deadline = max(deadline, note.at + int(extend) / 1_000_000)
+    return deadline

@@ -141,7 +141,7 @@ async def test_an_idle_pool_wakes_at_once_for_another_instances_job(
             async with asyncio.timeout(5):
                 assert await ran.get() == job_id
     finally:
-        await pool.stop(1.0, lambda busy: None)
+        await pool.stop(1.0, lambda status: None)
 
 
 async def test_a_hot_path_connection_cut_off_midway_is_replaced(

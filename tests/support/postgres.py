@@ -31,11 +31,12 @@ import os
 import pwd
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,20 @@ class PostgresCluster:
                 )
         shutil.rmtree(self.folder, ignore_errors=True)
 
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """The server stopped dead (SIGSTOP), as a host that went silent: connections
+        stay open, and every query and new connection waits without an answer."""
+        postmaster = int((self.datadir / "postmaster.pid").read_text().split()[0])
+        processes = [postmaster, *_children(postmaster)]
+        for pid in processes:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in processes:
+                os.kill(pid, signal.SIGCONT)
+
     def _pg(self, tool: str, *args: str) -> None:
         command = [str(self.bindir / tool), *args]
         if self._account is not None:
@@ -237,6 +252,17 @@ class PostgresCluster:
             await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         finally:
             await conn.close()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after it.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
 
 
 async def fetch(cluster: PostgresCluster, url: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:

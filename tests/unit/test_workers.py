@@ -42,7 +42,7 @@ async def make_pool(store: Store) -> AsyncIterator[Callable[..., WorkerPool]]:
 
     yield make
     for pool in pools:
-        await pool.stop(0.5, lambda busy: None)
+        await pool.stop(0.5, lambda status: None)
 
 
 async def wait_state(store: Store, job_id: int, state: str) -> Job:
@@ -356,10 +356,10 @@ async def test_stop_puts_back_a_leased_job_that_never_started(
         pool.dispatch(job)
     await started.wait()
 
-    def on_tick(busy: int) -> None:
+    def on_wait(status: str) -> None:
         release.set()  # the first job finishes while the pool drains
 
-    assert await pool.stop(5.0, on_tick) == 0
+    assert await pool.stop(5.0, on_wait) == 0
     first, second = [await store.get_job(i) for i in ids]
     assert first is not None and first.state == "done"
     assert second is not None and second.state == "pending" and second.attempts == 0
@@ -481,14 +481,14 @@ async def test_stop_drains_the_running_job_and_releases_unstarted_ones(
     second = await store.enqueue(NewJob("k", {}, 3))
     await pool.start()
     await started.wait()
-    ticks: list[int] = []
+    said: list[str] = []
 
-    def on_tick(busy: int) -> None:
-        ticks.append(busy)
+    def on_wait(status: str) -> None:
+        said.append(status)
         release.set()  # the job finishes while the pool drains
 
-    left = await pool.stop(5.0, on_tick)
-    assert left == 0 and ticks[0] == 1
+    left = await pool.stop(5.0, on_wait)
+    assert left == 0 and "draining: 1 job(s) still running" in said
     assert (await store.get_job(first)).state == "done"  # type: ignore[union-attr]
     unstarted = await store.get_job(second)
     assert unstarted is not None and unstarted.state == "pending" and unstarted.attempts == 0
@@ -502,7 +502,7 @@ async def test_drain_timeout_leaves_the_job_for_the_next_start(
     job_id = await store.enqueue(NewJob("k", {}, 3))
     await pool.start()
     await started.wait()
-    assert await pool.stop(0.05, lambda busy: None) == 1
+    assert await pool.stop(0.05, lambda status: None) == 1
     assert (await store.get_job(job_id)).state == "running"  # type: ignore[union-attr]
     # SQLite: the next start re-queues it; PostgreSQL: its lease expiring does
     # (another instance may hold running jobs, so nothing is re-queued blindly).
@@ -566,7 +566,7 @@ async def test_stop_during_a_claim_leaves_no_job_running(store: Store) -> None:
     pool = WorkerPool(paused, CONTEXT, {"k": handler}, PoolConfig(workers=1, job_timeout=5))  # type: ignore[arg-type]
     await pool.start()
     await paused.claiming.wait()
-    stopping = asyncio.create_task(pool.stop(5.0, lambda busy: None))
+    stopping = asyncio.create_task(pool.stop(5.0, lambda status: None))
     await asyncio.sleep(0)  # stop() is now waiting on the claim in flight
     paused.gate.set()
     await stopping
