@@ -93,6 +93,24 @@ _DB_ERRORS = (asyncpg.PostgresError, *_CONNECTION_ERRORS)
 _MISCONFIGURED = (asyncpg.ClientConfigurationError, ssl.SSLCertVerificationError)
 
 
+class _ReconnectFailures(logging.Filter):
+    """asyncpg's pool logs each failed attempt to reconnect (every 1 s to 60 s
+    while the database is down) as a WARNING with a whole traceback. toko says
+    that the database is down in its own lines already: the cause on one line
+    is all this one needs to add."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None:
+            cause = str(exc).partition("\n")[0] or type(exc).__name__
+            record.msg, record.args = "%s: %s", (record.getMessage(), cause)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("asyncpg.pool").addFilter(_ReconnectFailures())
+
+
 def _rows(status: str) -> int:
     """How many rows a command changed, from its status ("UPDATE 3")."""
     return int(status.rpartition(" ")[2] or 0)

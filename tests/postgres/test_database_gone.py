@@ -64,6 +64,12 @@ async def test_a_database_that_is_gone_shows_in_health_and_status(
     for message in ("claiming jobs failed", "status update failed", "LISTEN connection failed"):
         lines = [r for r in api.logs.snapshot() if str(r.get("message")).startswith(message)]
         assert 1 <= len(lines) <= 2, (message, lines)
+    # asyncpg's pool retries its connections too, and logged a traceback each time.
+    reconnects = [r for r in api.logs.snapshot() if r.get("logger") == "asyncpg.pool"]
+    assert reconnects, "asyncpg's pool tried to reconnect"
+    for line in reconnects:
+        assert "exception" not in line, line
+        assert str(line["message"]).endswith("does not exist"), line
     api.terminate()
     assert await api.async_wait_exit(timeout=30) == 0
 
