@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import logging
 import os
 import pwd
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ from service.models import JOB_STATES, iso_utc
 from service.settings import ConfigError, Settings
 from service.store import open_store
 from service.store.admin import QueueAdmin, Retryable
-from service.store.base import Store, StoreError
+from service.store.base import Store, StoreError, schema_log
 from service.validation import ID_MAX, ascii_int
 
 PROG = "toko-queue"
@@ -236,6 +238,26 @@ def _store_hint(settings: Settings) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def schema_changes_on_stderr() -> Iterator[None]:
+    """Show the line the store logs when opening it migrates the schema.
+
+    toko-queue sets up no logging (its output is its answer), and a toko-api
+    started afterwards finds nothing left to migrate: without this line, an
+    upgrade that toko-queue happened to apply would be told nowhere.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+    level = schema_log.level
+    schema_log.addHandler(handler)
+    schema_log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        schema_log.removeHandler(handler)
+        schema_log.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -250,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: {problem}", file=sys.stderr)
             return 1
     try:
-        data, text = asyncio.run(run_command(settings, args))
+        with schema_changes_on_stderr():
+            data, text = asyncio.run(run_command(settings, args))
     except CommandFailed as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1

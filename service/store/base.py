@@ -32,6 +32,22 @@ def without_abandoned(jobs: list[Job]) -> list[Job]:
     return [job for job in jobs if job.state != "failed"]
 
 
+# Its own logger, so toko-queue (which logs nothing else) can show this line.
+schema_log = logging.getLogger("toko.store.schema")
+
+
+def note_schema_migrated(before: int, after: int) -> None:
+    """Say that the schema changed (called once its transaction committed):
+    an admin who upgraded toko finds in the journal when the database did."""
+    fields = {"SCHEMA_VERSION_BEFORE": before, "SCHEMA_VERSION": after}
+    if before == 0:
+        schema_log.info("database schema created at version %d", after, extra=fields)
+    elif before < after:
+        schema_log.info(
+            "database schema upgraded from version %d to %d", before, after, extra=fields
+        )
+
+
 def note_lost_claims(expected: int, changed: int, outcome: str) -> None:
     """Log outcomes the store dropped because their claim was no longer held."""
     if changed < expected:

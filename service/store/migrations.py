@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sqlite3
 
+from service.store.base import note_schema_migrated
+
 MIGRATIONS: tuple[str, ...] = (
     # 1: products and the job queue (the transactional outbox).
     """
@@ -78,6 +80,7 @@ def migrate(conn: sqlite3.Connection) -> int:
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+    note_schema_migrated(int(before), LATEST_VERSION)
     return int(before)
 
 

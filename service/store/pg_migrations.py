@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 
+from service.store.base import note_schema_migrated
+
 # pg_advisory_xact_lock keys: "toko" in ASCII, then what the lock guards.
 LOCK_NAMESPACE = 0x746F6B6F
 MIGRATION_LOCK = (LOCK_NAMESPACE << 16) | 1
@@ -125,4 +127,5 @@ async def migrate(conn: asyncpg.Connection) -> int:
         for version in range(before + 1, LATEST_VERSION + 1):
             await conn.execute(MIGRATIONS[version - 1])
             await conn.execute("UPDATE toko_schema SET version = $1", version)
+    note_schema_migrated(int(before), LATEST_VERSION)
     return int(before)

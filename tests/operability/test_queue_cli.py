@@ -15,11 +15,13 @@ import pytest
 from jobs import env_file, queue_admin
 from service import __version__
 from service.models import NewJob
+from service.store.migrations import LATEST_VERSION
 from service.store.sqlite import SqliteStore
 from tests.conftest import ServiceFactory
 from tests.operability.cli import BIN, environment, run
 from tests.support import db
 from tests.support.api import create_products
+from tests.support.old_schema import make_sqlite_at
 from tests.support.smtp import SmtpServer
 
 
@@ -310,3 +312,22 @@ async def test_root_is_refused_on_the_service_users_database(tmp_path: Path) -> 
     assert refused.returncode == 1
     assert "run as the database's owner" in refused.stderr
     assert not (tmp_path / "toko.db-wal").exists()
+
+
+def test_a_schema_upgrade_it_applies_is_said_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # toko-queue run after an upgrade, before toko-api restarts, migrates the
+    # database itself: toko-api then finds nothing to migrate, and says nothing.
+    database = tmp_path / "toko.db"
+    make_sqlite_at(str(database), LATEST_VERSION - 1)
+    monkeypatch.setenv("TOKO_DATABASE", str(database))
+    assert queue_admin.main(["--no-env-file", "stats", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err == (
+        f"toko-queue: database schema upgraded from version {LATEST_VERSION - 1}"
+        f" to {LATEST_VERSION}\n"
+    )
+    assert json.loads(out)["queue"]["pending"] == 0  # the answer alone on stdout
+    assert queue_admin.main(["--no-env-file", "stats"]) == 0
+    assert capsys.readouterr().err == ""

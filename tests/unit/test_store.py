@@ -254,6 +254,20 @@ async def test_a_database_from_before_idempotency_keys_upgrades_with_its_data(
         await store.close()
 
 
+def _schema_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "toko.store.schema"]
+
+
+async def test_a_new_database_says_its_schema_was_created(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="toko.store.schema")
+    store = backend.make_store()
+    await store.open()
+    await store.close()
+    assert _schema_lines(caplog) == [f"database schema created at version {backend.latest_version}"]
+
+
 async def test_concurrent_writes_share_commits(store: Store, backend: Backend) -> None:
     await asyncio.gather(*(store.create_product(f"p{i}", i, email_job) for i in range(200)))
     # Both backends group-commit (see their writers); not part of the Protocol.
