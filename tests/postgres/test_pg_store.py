@@ -19,7 +19,7 @@ from service.mail import Email
 from service.models import Job, NewJob, Product
 from service.store import postgres
 from service.store.base import StoreError
-from service.store.pg_migrations import LATEST_VERSION, MIGRATIONS
+from service.store.pg_migrations import LATEST_VERSION
 from service.store.postgres import PostgresStore
 from service.tasks import JobContext, product_email_job
 from service.workers import PoolConfig, WorkerPool
@@ -437,36 +437,3 @@ async def waiting_on_a_lock(cluster: PostgresCluster, url: str, statement: str) 
             ):
                 return
             await asyncio.sleep(0.02)  # a lock wait has no event to await
-
-
-async def test_a_database_from_before_idempotency_keys_upgrades_with_its_data(
-    pg_cluster: PostgresCluster, pg_url: str
-) -> None:
-    conn = await pg_cluster.connect(pg_url.rsplit("/", 1)[1])
-    try:
-        async with conn.transaction():
-            await conn.execute(
-                "CREATE TABLE toko_schema (one boolean PRIMARY KEY DEFAULT true CHECK (one),"
-                " version integer NOT NULL)"
-            )
-            for step in MIGRATIONS[:3]:
-                await conn.execute(step)
-            await conn.execute("INSERT INTO toko_schema (version) VALUES (3)")
-            await conn.execute(
-                "INSERT INTO products (nama, harga, created_at) VALUES ('Lama', 7, 1.0)"
-            )
-    finally:
-        await conn.close()
-    store = PostgresStore(pg_url, password=pg_cluster.password)
-    await store.open()
-    try:
-        assert await fetch(pg_cluster, pg_url, "SELECT version FROM toko_schema") == [
-            (LATEST_VERSION,)
-        ]
-        old = await store.get_product(1)
-        assert old is not None and (old.nama, old.harga) == ("Lama", 7)
-        new, job_id = await store.create_product("Baru", 8, email_job, "k")
-        assert job_id is not None
-        assert (await store.create_product("Baru", 8, email_job, "k")) == (new, None)
-    finally:
-        await store.close()

@@ -20,6 +20,7 @@ from service.store.migrations import LATEST_VERSION as SQLITE_LATEST
 from service.store.pg_migrations import LATEST_VERSION as PG_LATEST
 from service.store.postgres import PostgresStore
 from service.store.sqlite import SqliteStore
+from tests.support.old_schema import make_postgres_at, make_sqlite_at
 from tests.support.postgres import PostgresCluster, acquire_cluster, fetch, release_cluster
 
 
@@ -56,6 +57,11 @@ class Backend:
         """Mark the (empty) database as migrated by a newer toko."""
         raise NotImplementedError
 
+    async def make_old_schema(self, version: int, *rows: str) -> None:
+        """Make the (empty) database as the toko of schema ``version`` left
+        it, holding ``rows`` (INSERT statements both dialects read alike)."""
+        raise NotImplementedError
+
     def unopenable_store(self) -> tuple[Store, str]:
         """A store that cannot open, and the message StoreError must match."""
         raise NotImplementedError
@@ -87,6 +93,9 @@ class SqliteBackend(Backend):
     async def make_future_schema(self) -> None:
         with closing(sqlite3.connect(self.path)) as conn:
             conn.execute(f"PRAGMA user_version = {SQLITE_LATEST + 1}")
+
+    async def make_old_schema(self, version: int, *rows: str) -> None:
+        make_sqlite_at(self.path, version, *rows)
 
     def unopenable_store(self) -> tuple[Store, str]:
         (self.folder / "file").write_text("x")
@@ -124,6 +133,13 @@ class PostgresBackend(Backend):
             "CREATE TABLE toko_schema (one boolean PRIMARY KEY DEFAULT true, version integer);"
         )
         await self.rows(f"INSERT INTO toko_schema (version) VALUES ({PG_LATEST + 1})")
+
+    async def make_old_schema(self, version: int, *rows: str) -> None:
+        conn = await self.cluster.connect(self.url.rsplit("/", 1)[1])
+        try:
+            await make_postgres_at(conn, version, *rows)
+        finally:
+            await conn.close()
 
     def unopenable_store(self) -> tuple[Store, str]:
         # The right server, the wrong password: refused at authentication.

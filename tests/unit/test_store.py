@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import sqlite3
@@ -16,7 +17,8 @@ from service.models import Job, NewJob, Product, stored_job
 from service.store.admin import QueueAdmin
 from service.store.base import ABANDONED_ERROR, Store, StoreError
 from service.store.group_commit import GroupCommitWriter
-from service.store.migrations import LATEST_VERSION, MIGRATIONS, migrate
+from service.store.migrations import LATEST_VERSION, migrate
+from service.store.pg_migrations import LATEST_VERSION as PG_LATEST_VERSION
 from service.store.postgres import PostgresStore
 from service.store.sqlite import SqliteStore, _create_products, connect
 from service.tasks import HANDLERS, JobContext, product_email_job
@@ -230,32 +232,121 @@ async def test_wait_broken_ends_once_the_writer_is_gone(store: Store) -> None:
             await watch
 
 
-async def test_a_database_from_before_idempotency_keys_upgrades_with_its_data(
-    tmp_path: Path,
-) -> None:
-    path = str(tmp_path / "toko.db")
-    conn = connect(path)
-    for statement in (s for step in MIGRATIONS[:2] for s in step.split(";") if s.strip()):
-        conn.execute(statement)
-    conn.execute("PRAGMA user_version = 2")
-    conn.execute("INSERT INTO products (nama, harga, created_at) VALUES ('Lama', 7, 1.0)")
-    conn.commit()
-    conn.close()
-    store = SqliteStore(path)
+# Every older schema version of each backend: one a toko shipped with, or (SQLite
+# version 1) that the first toko's step-by-step upgrade could leave behind.
+OLDER_SCHEMAS = [("sqlite", v) for v in range(1, LATEST_VERSION)] + [
+    ("postgres", v) for v in range(1, PG_LATEST_VERSION)
+]
+NOW = FakeClock().now  # the clock fixture's
+LEASE_EXPIRED, LEASE_LIVE = NOW - 60, NOW + 3600
+REFUSED = "MailError: SMTP 550: 5.7.1 refused"
+# A product and its job in each state an older toko could leave it in; jobs
+# are due (run_at in the past) and share the jobs table every version has.
+OLD_ROWS = [
+    (1, "Selesai", "done", 1, None, None),
+    (2, "Tunda", "pending", 0, None, None),
+    (3, "Gagal", "failed", 3, None, REFUSED),
+    (4, "Putus", "running", 1, LEASE_EXPIRED, None),  # its process died
+    # Maybe another PostgreSQL host's still; on SQLite, its process is gone all the same.
+    (5, "Jalan", "running", 1, LEASE_LIVE, None),
+]
+
+
+def _sql(value: object) -> str:
+    return "NULL" if value is None else repr(value)
+
+
+def old_inserts() -> list[str]:
+    made = NOW - 7200
+    statements = []
+    # Ids as the old toko got them, from each table's own counter: 1, 2, ...
+    for pid, nama, state, attempts, lease, error in OLD_ROWS:
+        payload = json.dumps({"product_id": pid, "nama": nama, "harga": 1000 + pid})
+        statements += [
+            "INSERT INTO products (nama, harga, created_at)"
+            f" VALUES ('{nama}', {1000 + pid}, {made})",
+            "INSERT INTO jobs (kind, payload, state, attempts, max_attempts, run_at,"
+            " lease_until, last_error, created_at, updated_at) VALUES"
+            f" ('product_email', '{payload}', '{state}', {attempts}, 3, {made},"
+            f" {_sql(lease)}, {_sql(error)}, {made}, {made})",
+        ]
+    return statements
+
+
+async def _start_as_toko_api(backend: Backend, clock: FakeClock) -> Store:
+    """Open the store and recover abandoned jobs, as toko-api does at start."""
+    store = backend.make_store(clock)
     await store.open()
-    try:
-        assert rows(path, "PRAGMA user_version") == [(LATEST_VERSION,)]
-        old = await store.get_product(1)
-        assert old is not None and (old.nama, old.harga) == ("Lama", 7)
-        new, job_id = await store.create_product("Baru", 8, email_job, "k")
-        assert (new.id, job_id is not None) == (2, True)
-        assert (await store.create_product("Baru", 8, email_job, "k")) == (new, None)
-    finally:
-        await store.close()
+    await store.recover_abandoned()
+    return store
+
+
+async def _contents(backend: Backend) -> list[list[tuple[object, ...]]]:
+    return [
+        [(await backend.schema_version(),)],
+        await backend.rows("SELECT * FROM products ORDER BY id"),
+        await backend.rows("SELECT * FROM jobs ORDER BY id"),
+    ]
 
 
 def _schema_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "toko.store.schema"]
+
+
+@pytest.mark.parametrize(
+    ("backend", "version"),
+    OLDER_SCHEMAS,
+    indirect=["backend"],
+    ids=[f"{name}-v{version}" for name, version in OLDER_SCHEMAS],
+)
+async def test_every_older_schema_upgrades_with_its_products_and_jobs(
+    backend: Backend, version: int, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    await backend.make_old_schema(version, *old_inserts())
+    caplog.set_level(logging.INFO, logger="toko.store.schema")
+    store = await _start_as_toko_api(backend, clock)
+    await store.close()
+
+    latest = backend.latest_version
+    assert _schema_lines(caplog) == [f"database schema upgraded from version {version} to {latest}"]
+    assert await backend.schema_version() == latest
+    assert await backend.rows("SELECT id, nama, harga, created_at FROM products ORDER BY id") == [
+        (pid, nama, 1000 + pid, NOW - 7200) for pid, nama, *_ in OLD_ROWS
+    ]
+    jobs = await backend.rows(
+        "SELECT id, state, attempts, lease_until, last_error FROM jobs ORDER BY id"
+    )
+    if backend.name == "sqlite":
+        # One toko-api per file: both running jobs were its dead process's.
+        running = [(4, "pending", 1, None, None), (5, "pending", 1, None, None)]
+        claimable = [2, 4, 5]
+    else:
+        # A shared database: only an expired lease brings a job back, at a claim.
+        running = [(4, "running", 1, LEASE_EXPIRED, None), (5, "running", 1, LEASE_LIVE, None)]
+        claimable = [2, 4]
+    assert jobs == [
+        (1, "done", 1, None, None),
+        (2, "pending", 0, None, None),
+        (3, "failed", 3, None, REFUSED),
+        *running,
+    ]
+
+    # Started again: nothing left to migrate, so nothing changes and nothing is said.
+    upgraded = await _contents(backend)
+    caplog.clear()
+    store = await _start_as_toko_api(backend, clock)
+    try:
+        assert await _contents(backend) == upgraded
+        assert _schema_lines(caplog) == []
+        claimed = await store.claim(10, 60)
+        assert [job.id for job in claimed] == claimable
+        assert claimed[0].payload == {"product_id": 2, "nama": "Tunda", "harga": 1002}
+        # The newest step's idempotency keys work, and ids go on from the old rows'.
+        new, job_id = await store.create_product("Baru", 8, email_job, "k")
+        assert (new.id, job_id) == (6, 6)
+        assert (await store.create_product("Baru", 8, email_job, "k")) == (new, None)
+    finally:
+        await store.close()
 
 
 async def test_a_new_database_says_its_schema_was_created(
