@@ -263,6 +263,7 @@ class PostgresStore:
         try:
             conn = await self._first_connection()
             try:
+                await self._insist_on_utf8(conn)
                 await migrate(conn)
                 await self._check_clock(conn)
                 await self._insist_on_durable_commits(conn)
@@ -851,6 +852,22 @@ class PostgresStore:
                     with contextlib.suppress(*_DB_ERRORS):
                         await conn.close(timeout=5)
             await asyncio.sleep(LISTEN_RETRY_SECONDS)
+
+    async def _insist_on_utf8(self, conn: asyncpg.Connection) -> None:
+        """Refuse a database that cannot hold every name a client may send.
+
+        `createdb` takes the cluster's encoding, SQL_ASCII where initdb ran
+        under the C locale (a Debian without locales). asyncpg talks UTF-8,
+        and the server then fails every statement with a character beyond
+        ASCII: each such product would be a 503 for good, not a bad start.
+        """
+        encoding = await conn.fetchval("SHOW server_encoding", timeout=COMMAND_TIMEOUT)
+        if encoding != "UTF8":
+            raise StoreError(
+                f"the database {redact(self.url)} is in {encoding}, not UTF8, so names beyond"
+                " ASCII cannot be stored: create it with createdb --encoding=UTF8"
+                " --template=template0"
+            )
 
     async def _insist_on_durable_commits(self, conn: asyncpg.Connection) -> None:
         """A 201 promises the product survives a crash, the database's included.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 from collections.abc import AsyncIterator
 
 import pytest
@@ -281,6 +282,32 @@ async def test_commits_are_flushed_whatever_the_databases_default(
     else:  # each flushes locally at commit: the admin's choice stands
         assert used == default
         assert said == []
+
+
+async def test_a_database_not_in_utf8_is_refused_at_open(pg_cluster: PostgresCluster) -> None:
+    # `createdb` on a cluster initialised under the C locale (a Debian without
+    # locales) makes a SQL_ASCII database. toko-api started on it, and every
+    # product whose name went beyond ASCII was then a 503 "try again shortly",
+    # for good. It must refuse to start instead, before creating any table.
+    name = f"ascii_{secrets.token_hex(4)}"
+    admin = await pg_cluster.connect()
+    try:
+        await admin.execute(
+            f"CREATE DATABASE \"{name}\" ENCODING 'SQL_ASCII' LOCALE 'C' TEMPLATE template0"
+        )
+    finally:
+        await admin.close()
+    url = pg_cluster.url(name)
+    try:
+        with pytest.raises(StoreError) as refused:
+            await PostgresStore(url, password=pg_cluster.password).open()
+        assert str(refused.value) == (
+            f"the database {url} is in SQL_ASCII, not UTF8, so names beyond ASCII cannot be"
+            " stored: create it with createdb --encoding=UTF8 --template=template0"
+        )
+        assert await fetch(pg_cluster, url, "SELECT to_regclass('products') IS NULL") == [(True,)]
+    finally:
+        await pg_cluster.async_drop_database(url)
 
 
 async def test_a_database_that_went_away_is_a_store_error(
