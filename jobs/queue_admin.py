@@ -43,10 +43,12 @@ PROG = "toko-queue"
 LIST_LIMIT_MAX = 10_000
 # The password file is root's (0600): `sudo -u toko` cannot read it, so the
 # README hands it over as the services get it, as the credential db-password.
+# --collect: a command that fails (an unknown job id, say) must not leave a
+# failed run-u….service behind, which marks the whole system degraded.
 PG_HINT = (
     "no database password: run it as root with the credential, e.g. sudo systemd-run "
-    "--pipe --wait --quiet --uid=toko -p LoadCredential=db-password:/etc/toko/db-password "
-    f"/opt/toko/venv/bin/{PROG} stats"
+    "--pipe --wait --quiet --collect --uid=toko "
+    f"-p LoadCredential=db-password:/etc/toko/db-password /opt/toko/venv/bin/{PROG} stats"
 )
 
 

@@ -134,6 +134,12 @@ def test_bad_config_fails_once_with_one_clear_line(toko: Deployment) -> None:
         assert toko.n_restarts() == restarts
         lines = [m for m in toko.messages("toko-api", since) if "TOKO_WORKERS" in m]
         assert lines, toko.messages("toko-api", since)
+        # The README's check of an edited toko.env says the same, and leaves
+        # no failed run-u….service behind to mark the system degraded.
+        check = readme_block("--check-config")
+        checked = toko.machine.run(["bash", "-c", NO_SUDO + check], check=False)
+        assert checked.returncode == 2 and "TOKO_WORKERS" in checked.stderr, checked
+        assert failed_transient_units(toko) == ""
     toko.ensure_running()
 
 
@@ -542,6 +548,12 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 NO_SUDO = 'sudo() { "$@"; }\n'
 
 
+def failed_transient_units(toko: Deployment) -> str:
+    """The failed units systemd-run left behind (run-u….service), one a line."""
+    argv = ["systemctl", "list-units", "--failed", "--plain", "--no-legend", "run-*"]
+    return toko.machine.run(argv).stdout.strip()
+
+
 def readme_block(marker: str) -> str:
     """The README's first ```sh block containing ``marker``, as an admin pastes it."""
     blocks = re.findall(r"^```sh\n(.*?)^```$", README.read_text(), re.S | re.M)
@@ -598,6 +610,12 @@ def test_postgres_with_the_readmes_credential_for_every_service(toko: Deployment
                 assert PG_HINT in refused.stderr, refused.stderr
                 hinted = PG_HINT.split("e.g. ", 1)[1]
                 assert "alert_email" in toko.machine.sh(NO_SUDO + hinted).stdout
+                # The hint's way with a command that fails leaves no failed
+                # unit behind (the system would be "degraded").
+                failing = hinted.replace(" stats", " show 999999")
+                shown = toko.machine.sh(NO_SUDO + failing, check=False)
+                assert shown.returncode == 1 and "no job with id 999999" in shown.stderr, shown
+                assert failed_transient_units(toko) == ""
                 helper = readme_block("toko toko-queue stats")
                 listed = toko.machine.run(["bash", "-c", NO_SUDO + helper]).stdout
                 assert "alert_email" in listed, listed
