@@ -212,7 +212,8 @@ def restore(database: str, source: Path) -> Path | None:
         fsync_dir(db.parent)
     finally:
         lock.release()
-    log.info("backup restored", extra={"PATH": str(source), "PREVIOUS": str(kept)})
+    kept_as = {} if kept is None else {"PREVIOUS": str(kept)}  # nothing there before: no field
+    log.info("backup restored", extra={"PATH": str(source), **kept_as})
     return kept
 
 

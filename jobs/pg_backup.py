@@ -189,7 +189,8 @@ def restore(settings: Settings, source: Path, folder: Path) -> Path | None:
         raise JobFailed(f"no backup file at {source}")
     check_archive(settings, source)
     kept = asyncio.run(_restore(settings, source, folder))
-    log.info("backup restored", extra={"PATH": str(source), "PREVIOUS": str(kept)})
+    kept_as = {} if kept is None else {"PREVIOUS": str(kept)}  # nothing there before: no field
+    log.info("backup restored", extra={"PATH": str(source), **kept_as})
     return kept
 
 

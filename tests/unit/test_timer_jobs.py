@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 import stat
 import threading
@@ -208,3 +209,19 @@ async def test_prune_keeps_the_backup_just_written_when_the_clock_is_behind(
     # The new backup sorts oldest by name, yet it is the one with the latest data.
     assert backup.list_backups(folder) == [made, *good[1:]]
     backup.check_integrity(made)
+
+
+async def test_a_restore_names_the_replaced_database_only_if_there_was_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    db = str(tmp_path / "toko.db")
+    await seed(db, 1)
+    saved = backup.make_backup(db, tmp_path / "b", keep=3)
+    caplog.set_level(logging.INFO)
+    kept = backup.restore(db, saved)
+    fresh = str(tmp_path / "fresh.db")
+    assert backup.restore(fresh, saved) is None  # nothing was there to keep
+    first, second = [r for r in caplog.records if r.getMessage() == "backup restored"]
+    assert first.__dict__["PREVIOUS"] == str(kept)
+    # Not the string "None", as if a file by that name had been kept.
+    assert "PREVIOUS" not in second.__dict__
