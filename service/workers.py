@@ -3,7 +3,12 @@
 One claimer task leases due jobs for the idle workers plus one job of
 prefetch per worker (one round trip for several jobs) and hands them over;
 a job enqueued by this process while a slot is free skips the claimer: it is
-written already leased and handed over directly (``reserve``/``dispatch``);
+written already leased and handed over directly (``reserve``/``dispatch``),
+but only while the claimer's last look found nothing more due in the store:
+otherwise it is written pending and queues behind the jobs already waiting,
+which are claimed in due order (a freed slot would go to the next new job
+before the claimer's claim, so under load the waiting ones would wait for
+the load to end);
 ``TOKO_WORKERS`` worker tasks run them; one acker task marks finished jobs
 done in batches. A committed job wakes the claimer at once (``notify``); a
 slow sweep catches jobs enqueued by other processes and retries falling due.
@@ -119,6 +124,9 @@ class WorkerPool:
         self._busy = 0
         self._reserved = 0  # slots promised to jobs being enqueued here (reserve())
         self._claiming = 0  # slots the claim in flight may fill
+        # Until then (self._clock) the store holds no due job the claimer has
+        # not seen, so a job enqueued here may skip the queue (reserve()).
+        self._direct_until = 0.0
         self._stopping = False
         self._deaths: list[float] = []
         # A store that is down fails the claim every STORE_RETRY_SECONDS.
@@ -152,19 +160,24 @@ class WorkerPool:
 
     def notify(self) -> None:
         """A job was committed: look for work now rather than at the next sweep."""
+        # It waits in the store: jobs enqueued here from now on queue behind it.
+        self._direct_until = 0.0
         self._wakeup.set()
 
     def reserve(self) -> float | None:
         """Promise a slot to a job this process is about to enqueue.
 
         Returns the lease (seconds) to enqueue it with (``NewJob.leased_for``),
-        or None when no slot is free: then enqueue it pending and ``notify()``.
+        or None when no slot is free, or when jobs may be waiting in the store
+        (they go first): then enqueue it pending and ``notify()``.
         Every reservation must end in ``dispatch()``; ``enqueue_here`` does
         all of it. A job enqueued leased
         skips the claim, a second write and a hop through the store, which is
         most of what stands between a commit and its job starting.
         """
         if self._stopping or self._gave_up or self._free_slots() <= 0:
+            return None
+        if self._clock() >= self._direct_until:
             return None
         self._reserved += 1
         return self._config.lease_seconds
@@ -350,8 +363,15 @@ class WorkerPool:
                     self._held.add(job.id)
                     self._handoff.put_nowait(job)
                 if len(jobs) == free:
+                    # More may be due: new jobs queue behind them until a
+                    # claim comes back short.
+                    self._direct_until = 0.0
                     continue
                 wait = await self._seconds_until_due()
+                if not self._wakeup.is_set():  # (a job committed meanwhile waits)
+                    # Nothing else is due until then; the sweep bounds it, for
+                    # jobs other processes enqueue without a word.
+                    self._direct_until = self._clock() + wait
             except StoreError as exc:
                 self._claim_failures.log(
                     log, logging.ERROR, "claiming jobs failed, retrying: %s", exc

@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 
 import pytest
@@ -30,13 +31,15 @@ HandlerFn = Callable[[Job, JobContext], Awaitable[None]]
 async def make_pool(store: Store) -> AsyncIterator[Callable[..., WorkerPool]]:
     pools: list[WorkerPool] = []
 
-    def make(handler: HandlerFn, **config: float) -> WorkerPool:
+    def make(
+        handler: HandlerFn, clock: Callable[[], float] = time.time, **config: float
+    ) -> WorkerPool:
         cfg = PoolConfig(
             workers=int(config.get("workers", 2)),
             job_timeout=config.get("job_timeout", 5.0),
             backoff_base=config.get("backoff_base", 0.01),
         )
-        pool = WorkerPool(store, CONTEXT, {"k": handler}, cfg, rng=random.Random(7))
+        pool = WorkerPool(store, CONTEXT, {"k": handler}, cfg, clock=clock, rng=random.Random(7))
         pools.append(pool)
         return pool
 
@@ -83,21 +86,22 @@ def held_handler() -> tuple[asyncio.Event, asyncio.Event, HandlerFn]:
 
 
 async def start_parked(pool: WorkerPool, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Start ``pool`` and return once its claimer's first claim (of an empty queue) is done,
-    so that claim's slots are free again for reservations."""
-    claimed = asyncio.Event()
-    real_claim = store.claim
+    """Start ``pool`` and return once its claimer's first claim (of an empty queue) is done
+    and it has asked when to look again: that claim's slots are free again, and with
+    nothing waiting in the store, reservations are handed out until its next sweep,
+    a minute away here (a slow machine must not close them mid-test)."""
+    monkeypatch.setattr(workers, "SWEEP_SECONDS", 60.0)
+    parked = asyncio.Event()
+    real_next_due_at = store.next_due_at
 
-    async def signalling_claim(
-        limit: int, lease_seconds: float, held: Collection[int] = ()
-    ) -> list[Job]:
-        jobs = await real_claim(limit, lease_seconds, held)
-        claimed.set()
-        return jobs
+    async def signalling_next_due_at(held: Collection[int] = ()) -> float | None:
+        due = await real_next_due_at(held)
+        parked.set()  # the claimer takes it in before this test runs on
+        return due
 
-    monkeypatch.setattr(store, "claim", signalling_claim)
+    monkeypatch.setattr(store, "next_due_at", signalling_next_due_at)
     await pool.start()
-    await claimed.wait()
+    await parked.wait()
 
 
 async def test_a_committed_job_wakes_the_pool_without_waiting_for_a_sweep(
@@ -119,7 +123,7 @@ async def test_a_reserved_job_runs_without_a_claim(
     monkeypatch.setattr(workers, "SWEEP_SECONDS", 60.0)
     ran, handler = signalling_handler()
     pool = make_pool(handler)
-    await pool.start()
+    await start_parked(pool, store, monkeypatch)
     claimed: list[int] = []
     real_claim = store.claim
 
@@ -329,13 +333,13 @@ async def test_a_claim_in_flight_holds_its_slots_against_reservations(
 
 
 async def test_reservations_stop_at_the_pool_capacity(
-    store: Store, make_pool: Callable[..., WorkerPool]
+    store: Store, make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def handler(job: Job, ctx: JobContext) -> None:
         pass
 
     pool = make_pool(handler, workers=1)
-    await pool.start()
+    await start_parked(pool, store, monkeypatch)
     # One worker plus one job of prefetch, as for claims.
     assert pool.reserve() is not None and pool.reserve() is not None
     assert pool.reserve() is None
@@ -573,3 +577,143 @@ async def test_stop_during_a_claim_leaves_no_job_running(store: Store) -> None:
     counts = await store.counts()
     assert counts.running == 0, counts
     assert counts.pending + counts.done == 5
+
+
+class SteadyArrivals:
+    """One worker kept full: as each job ends, a new one is enqueued here through
+    ``enqueue_here``, as POST /produk does near capacity. The test lets the
+    running job end (``finish_next``) and reads the order jobs started in."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.pool: WorkerPool | None = None
+        self.started: list[int] = []
+        self.arrived: list[int] = []
+        self.arrivals_left = 0
+        self._start: asyncio.Queue[int] = asyncio.Queue()
+        self._finish: asyncio.Queue[None] = asyncio.Queue()
+        self._arrivals: list[asyncio.Task[None]] = []
+
+    async def handler(self, job: Job, ctx: JobContext) -> None:
+        if job.payload.get("fails_once") and job.attempts == 1:
+            raise ConnectionError("the mail server is away")
+        self._start.put_nowait(job.id)
+        await self._finish.get()
+        if self.arrivals_left > 0:
+            # Started before this worker frees its slot, so it reaches reserve()
+            # before the claimer wakes: the race a POST wins under load.
+            self.arrivals_left -= 1
+            self._arrivals.append(asyncio.create_task(self._arrive()))
+
+    async def enqueue(self, payload: dict[str, object] | None = None) -> int:
+        assert self.pool is not None
+
+        async def write(leased_for: float | None) -> tuple[None, Job]:
+            job = NewJob("k", dict(payload or {}), 3, leased_for=leased_for)
+            return None, await enqueue_stored(self.store, job)
+
+        _, job_id = await self.pool.enqueue_here(write)
+        assert job_id is not None
+        return job_id
+
+    async def _arrive(self) -> None:
+        self.arrived.append(await self.enqueue())
+
+    async def next_start(self) -> int:
+        job_id = await self._start.get()
+        self.started.append(job_id)
+        return job_id
+
+    def finish_next(self) -> None:
+        self._finish.put_nowait(None)
+
+    async def run(self, jobs: int) -> None:
+        """Let ``jobs`` jobs start and end, one at a time, in the order the pool picks."""
+        for _ in range(jobs):
+            await self.next_start()
+            self.finish_next()
+
+    async def stop_arrivals(self) -> None:
+        self.arrivals_left = 0
+        await asyncio.gather(*self._arrivals)
+        for _ in range(len(self.arrived) + 10):
+            self.finish_next()  # whatever is still queued ends at once
+
+
+async def test_jobs_already_waiting_run_before_jobs_enqueued_after_them(
+    store: Store, make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Near capacity, each slot that frees was taken by the next POST before the
+    # claimer's claim got it: the jobs waiting in the store waited for the rush to end.
+    load = SteadyArrivals(store)
+    pool = load.pool = make_pool(load.handler, workers=1)
+    await start_parked(pool, store, monkeypatch)
+    in_slots = [await load.enqueue() for _ in range(2)]  # one running, one prefetched
+    waiting = [await load.enqueue() for _ in range(3)]  # no slot free: pending
+    assert [(await store.get_job(i)).state for i in waiting] == ["pending"] * 3  # type: ignore[union-attr]
+    load.arrivals_left = 6
+    await load.run(len(in_slots) + len(waiting) + 2)
+    await load.stop_arrivals()
+    assert load.started == in_slots + waiting + sorted(load.arrived)[:2]
+
+
+async def test_a_retry_falling_due_runs_before_jobs_enqueued_after_it(
+    store: Store,
+    clock: FakeClock,
+    make_pool: Callable[..., WorkerPool],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    load = SteadyArrivals(store)
+    # The pool's retry times on the store's clock, which this test moves.
+    pool = load.pool = make_pool(load.handler, clock=clock, workers=1, backoff_base=10.0)
+    await start_parked(pool, store, monkeypatch)
+    retried = await load.enqueue({"fails_once": True})
+    await wait_state(store, retried, "pending")  # its retry is 5-10 s away
+    in_slots = [await load.enqueue() for _ in range(2)]
+    assert await load.next_start() == in_slots[0]
+    await wait_state(store, in_slots[1], "running")  # both slots are taken
+    clock.now += 10.0  # the retry falls due while the workers are busy
+    load.arrivals_left = 6
+    load.finish_next()
+    await load.run(3)
+    await load.stop_arrivals()
+    assert load.started == [*in_slots, retried, min(load.arrived)]
+
+
+async def test_a_job_committed_while_the_claimer_looks_goes_before_new_ones(
+    store: Store, make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The claimer's look at the store read it empty, then a job was committed
+    # pending: that look must not let the next new job skip ahead of it.
+    _, handler = signalling_handler()
+    pool = make_pool(handler, workers=1)
+    await start_parked(pool, store, monkeypatch)
+    looked, answer = asyncio.Event(), asyncio.Event()
+    right_after: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
+    real_next_due_at = store.next_due_at
+
+    async def slow_next_due_at(held: Collection[int] = ()) -> float | None:
+        due = await real_next_due_at(held)  # read before the commit below
+        if not looked.is_set():
+            looked.set()
+            await answer.wait()
+
+            def reserve_now() -> None:
+                right_after.set_result(pool.reserve())
+
+            # Runs once the claimer has taken in this answer and waits again
+            # (a moment: the job's wake-up has it claim at once).
+            asyncio.get_running_loop().call_soon(reserve_now)
+        return due
+
+    monkeypatch.setattr(store, "next_due_at", slow_next_due_at)
+    pool.notify()  # as the sweep does: the claimer claims (nothing), then looks
+    await looked.wait()
+    job_id = await store.enqueue(NewJob("k", {}, 3))  # a job that found no slot free
+    pool.notify()
+    answer.set()
+    reserved = await right_after
+    if reserved is not None:
+        pool.dispatch(None)
+    assert reserved is None, "a new job would have gone ahead of the waiting one"
+    await wait_state(store, job_id, "done")
