@@ -255,10 +255,9 @@ class WorkerPool:
             job = self._handoff.get_nowait()
             if job is not None:
                 unstarted.append(job)
-        if unstarted:
-            await self._write_at_stop(
-                self._release(unstarted), "putting back unstarted jobs", len(unstarted), on_wait
-            )
+        await self._write_at_stop(
+            self._release(unstarted), "putting back unstarted jobs", len(unstarted), on_wait
+        )
         for _ in self._workers:
             self._handoff.put_nowait(None)  # each idle worker exits on its None
         deadline = time.monotonic() + drain_timeout

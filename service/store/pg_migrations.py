@@ -100,6 +100,12 @@ MIGRATIONS: tuple[str, ...] = (
 )
 
 LATEST_VERSION = len(MIGRATIONS)
+# The one-row table of the schema's version, as every toko has made it.
+SCHEMA_TABLE = (
+    "CREATE TABLE IF NOT EXISTS toko_schema ("
+    " one boolean PRIMARY KEY DEFAULT true CHECK (one),"
+    " version integer NOT NULL)"
+)
 
 
 class SchemaTooNew(RuntimeError):
@@ -110,11 +116,7 @@ async def migrate(conn: asyncpg.Connection) -> int:
     """Bring the schema up to date; return the version it was at before."""
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
-        await conn.execute(
-            "CREATE TABLE IF NOT EXISTS toko_schema ("
-            " one boolean PRIMARY KEY DEFAULT true CHECK (one),"
-            " version integer NOT NULL)"
-        )
+        await conn.execute(SCHEMA_TABLE)
         before = await conn.fetchval("SELECT version FROM toko_schema")
         if before is None:
             before = 0

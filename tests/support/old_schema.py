@@ -29,11 +29,7 @@ def make_sqlite_at(path: str, version: int, *rows: str) -> None:
 async def make_postgres_at(conn: asyncpg.Connection, version: int, *rows: str) -> None:
     """The database of ``conn`` at schema ``version`` holding ``rows``."""
     async with conn.transaction():
-        # As every toko's migrate() has made it since the first.
-        await conn.execute(
-            "CREATE TABLE toko_schema (one boolean PRIMARY KEY DEFAULT true CHECK (one),"
-            " version integer NOT NULL)"
-        )
+        await conn.execute(pg_migrations.SCHEMA_TABLE)
         for step in pg_migrations.MIGRATIONS[:version]:
             await conn.execute(step)
         await conn.execute("INSERT INTO toko_schema (version) VALUES ($1)", version)
