@@ -41,6 +41,7 @@ from service.validation import ID_MAX, ascii_int
 
 PROG = "toko-queue"
 LIST_LIMIT_MAX = 10_000
+IDS_SHOWN = 20  # ids a retry of every failed or waiting job prints, beyond: a count
 # The password file is root's (0600): `sudo -u toko` cannot read it, so the
 # README hands it over as the services get it, as the credential db-password.
 # --collect: a command that fails (an unknown job id, say) must not leave a
@@ -161,10 +162,7 @@ async def retry(admin: QueueAdmin, args: argparse.Namespace, now: float) -> Outp
     if args.all_failed or args.all_waiting:
         which: Retryable = "failed" if args.all_failed else "waiting"
         retried = await admin.retry_now(None, which)
-        text = f"retried {len(retried)} {which} job(s)" + (
-            f": {', '.join(map(str, retried))}" if retried else ""
-        )
-        return {"retried": retried}, text
+        return {"retried": retried}, f"retried {len(retried)} {which} job(s){_some_ids(retried)}"
     wanted = sorted(set(args.ids))
     retried = await admin.retry_now(wanted, "failed")
     retried = sorted(retried + await admin.retry_now(sorted(set(wanted) - set(retried)), "waiting"))
@@ -181,6 +179,16 @@ async def retry(admin: QueueAdmin, args: argparse.Namespace, now: float) -> Outp
         done = f" (retried: {', '.join(map(str, retried))})" if retried else ""
         raise CommandFailed(f"not retried: {why}{done}")
     return {"retried": retried}, f"retried job(s) {', '.join(map(str, retried))}"
+
+
+def _some_ids(ids: list[int]) -> str:
+    # After an outage --all-* may retry hundreds of thousands: every id on the
+    # terminal is megabytes nobody reads. Scripts take them all from --json.
+    if not ids:
+        return ""
+    shown = ", ".join(map(str, ids[:IDS_SHOWN]))
+    more = len(ids) - IDS_SHOWN
+    return f": {shown}" + (f" and {more} more (--json lists every id)" if more > 0 else "")
 
 
 async def purge(admin: QueueAdmin, args: argparse.Namespace, now: float) -> Output:

@@ -331,3 +331,28 @@ def test_a_schema_upgrade_it_applies_is_said_once(
     assert json.loads(out)["queue"]["pending"] == 0  # the answer alone on stdout
     assert queue_admin.main(["--no-env-file", "stats"]) == 0
     assert capsys.readouterr().err == ""
+
+
+async def test_retrying_many_jobs_prints_a_few_ids_and_a_count(tmp_path: Path) -> None:
+    # After a long mail outage --all-failed may retry hundreds of thousands.
+    database = tmp_path / "toko.db"
+    store = SqliteStore(str(database))
+    await store.open()
+    try:
+        many = queue_admin.IDS_SHOWN + 5
+        for _ in range(many):
+            await store.enqueue(NewJob("email", {}, 1))
+        for job in await store.claim(many, 60):
+            await store.fail(job, "550 no such user")
+    finally:
+        await store.close()
+    env = {"TOKO_DATABASE": str(database)}
+    retried = await run("toko-queue", "retry", "--all-waiting", env=env)
+    assert retried.stdout == "retried 0 waiting job(s)\n", retried
+    retried = await run("toko-queue", "retry", "--all-failed", env=env)
+    assert retried.returncode == 0, retried
+    shown = ", ".join(str(n) for n in range(1, queue_admin.IDS_SHOWN + 1))
+    assert retried.stdout == (
+        f"retried {many} failed job(s): {shown} and 5 more (--json lists every id)\n"
+    ), retried
+    assert db.job_states(database) == {"pending": many}
