@@ -27,6 +27,7 @@ from jobs.common import JobFailed, require_database, run_job, stop_on_sigterm
 from service.settings import Settings
 from service.store.disk import fsync_dir, fsync_file
 from service.store.lock import InstanceLock, InstanceLocked
+from service.store.migrations import LATEST_VERSION
 from service.store.sqlite import connect
 
 log = logging.getLogger("toko.backup")
@@ -34,6 +35,8 @@ PREFIX = "toko-"
 SUFFIX = ".db"
 # Held while a backup is written; hidden, and never named like a backup.
 LOCK_NAME = ".toko-backup.lock"
+# Every toko database has had these since its first schema version.
+TOKO_TABLES = ("products", "jobs")
 # The socket too: with it listening, the next connection starts toko-api
 # again, and the restore an admin retries is refused once more.
 STOP_API = "systemctl stop toko-api.socket toko-api"
@@ -60,6 +63,36 @@ def check_integrity(path: Path) -> None:
         conn.close()
     if rows != [("ok",)]:
         raise JobFailed(f"{path} failed the integrity check: {rows[:3]}")
+
+
+def refuse_newer(source: Path, version: int, latest: int) -> None:
+    """A newer toko's backup would leave a database this toko-api refuses to start on."""
+    if version > latest:
+        raise JobFailed(
+            f"{source} was made by a newer toko (schema version {version}; "
+            f"this toko knows up to {latest}): upgrade toko first"
+        )
+
+
+def check_toko_database(path: Path) -> None:
+    """Raise JobFailed unless toko-api can run on ``path`` (checked before restoring it).
+
+    Any SQLite file passes the integrity check: another program's would be
+    restored, and toko-api would then start on an empty shop beside its tables.
+    """
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        (version,) = conn.execute("PRAGMA user_version").fetchone()
+        rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+    finally:
+        conn.close()
+    tables = {name for (name,) in rows}
+    missing = [table for table in TOKO_TABLES if table not in tables]
+    if missing:
+        raise JobFailed(f"{path} is not a toko database (no {' or '.join(missing)} table)")
+    if version < 1:  # every toko sets it in the transaction that creates the tables
+        raise JobFailed(f"{path} is not a toko database (no toko schema version)")
+    refuse_newer(path, version, LATEST_VERSION)
 
 
 @contextlib.contextmanager
@@ -184,6 +217,7 @@ def restore(database: str, source: Path) -> Path | None:
     if not source.is_file():
         raise JobFailed(f"no backup file at {source}")
     check_integrity(source)
+    check_toko_database(source)
     lock = InstanceLock(database)
     try:
         lock.acquire()  # also keeps toko-api from starting mid-restore

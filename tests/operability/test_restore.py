@@ -6,18 +6,26 @@ merge a second message with it, without any error: an email's Message-ID must
 stay the same across the retries of its job, and differ for a job that merely
 has the same id. The runs here are the real toko-api, toko-backup and SMTP
 server, restored the way the README says (toko-api stopped first).
+
+A file toko-api could not start on (a newer toko's backup, another program's
+database) is refused before anything is replaced, with one line that says why.
 """
 
 from __future__ import annotations
 
+import asyncio
+import sqlite3
 from collections.abc import Sequence
+from contextlib import closing
 from pathlib import Path
 
 import aiohttp
 
+from service.store.migrations import LATEST_VERSION
 from tests.conftest import ServiceFactory
 from tests.operability.cli import run
 from tests.support.api import create_products
+from tests.support.old_schema import make_sqlite_at
 from tests.support.service import ServiceProcess
 from tests.support.smtp import SmtpMessage, SmtpServer
 
@@ -66,3 +74,35 @@ async def test_a_job_id_handed_out_again_after_a_restore_gets_a_message_id_of_it
     assert teh.headers["X-Toko-Job-Id"] == susu.headers["X-Toko-Job-Id"]
     assert teh.message_id != susu.message_id
     assert smtp.duplicates() == {}
+
+
+async def test_a_file_toko_api_could_not_start_on_is_refused_before_anything_is_replaced(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "toko.db"
+    make_sqlite_at(str(db), LATEST_VERSION, "INSERT INTO products VALUES (1, 'Kopi', 1, 0, NULL)")
+    tools = {"TOKO_DATABASE": str(db), "TOKO_BACKUP_DIR": str(tmp_path / "b")}
+    backed_up = await run("toko-backup", env=tools)
+    assert backed_up.returncode == 0, backed_up.stderr
+    (newer,) = (tmp_path / "b").glob("toko-*.db")
+    with closing(sqlite3.connect(newer)) as conn:
+        conn.execute(f"PRAGMA user_version = {LATEST_VERSION + 1}")  # as a newer toko leaves it
+    other = tmp_path / "notes.db"
+    with closing(sqlite3.connect(other)) as conn, conn:
+        conn.execute("CREATE TABLE notes (body TEXT)")
+    before = db.read_bytes()
+
+    newer_refused = await run("toko-backup", "--restore", str(newer), env=tools)
+    other_refused = await run("toko-backup", "--restore", str(other), env=tools)
+
+    assert (newer_refused.returncode, other_refused.returncode) == (1, 1)
+    assert newer_refused.stderr == (
+        f"toko-backup: {newer} was made by a newer toko (schema version {LATEST_VERSION + 1}; "
+        f"this toko knows up to {LATEST_VERSION}): upgrade toko first\n"
+    )
+    assert other_refused.stderr == (
+        f"toko-backup: {other} is not a toko database (no products or jobs table)\n"
+    )
+    assert db.read_bytes() == before
+    kept = await asyncio.to_thread(lambda: list(tmp_path.glob("toko.db.before-restore-*")))
+    assert kept == []  # refused before the current database was even copied

@@ -5,6 +5,7 @@ import logging
 import sqlite3
 import stat
 import threading
+from collections.abc import Callable
 from datetime import date, datetime, timedelta
 from pathlib import Path
 
@@ -15,8 +16,10 @@ from jobs.common import JobFailed
 from service.models import Product
 from service.settings import Settings
 from service.store.lock import InstanceLock, is_locked
+from service.store.migrations import LATEST_VERSION
 from service.store.sqlite import SqliteStore
 from service.tasks import product_email_job
+from tests.support.old_schema import make_sqlite_at
 from tests.unit.conftest import FakeClock
 
 
@@ -182,6 +185,92 @@ def test_restore_rejects_a_corrupt_file(tmp_path: Path) -> None:
     bad.write_bytes(b"not a database at all" * 100)
     with pytest.raises(JobFailed, match="not a usable SQLite database"):
         backup.restore(str(tmp_path / "toko.db"), bad)
+
+
+def set_user_version(path: Path, version: int) -> None:
+    conn = sqlite3.connect(path)
+    try:
+        conn.execute(f"PRAGMA user_version = {int(version)}")
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def assert_untouched(db: Path, before: bytes) -> None:
+    """A refused restore left the database as it was, and kept no copy of it."""
+    assert db.read_bytes() == before
+    assert sorted(path.name for path in db.parent.glob(f"*{db.name}*")) == [db.name]
+
+
+async def test_restore_takes_an_older_tokos_backup_but_refuses_a_newer_ones(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "toko.db"
+    await seed(str(db), 2)
+    newer = backup.make_backup(str(db), tmp_path / "b", keep=3)
+    set_user_version(newer, LATEST_VERSION + 6)
+    before = db.read_bytes()
+    with pytest.raises(JobFailed) as refused:
+        backup.restore(str(db), newer)
+    assert str(refused.value) == (
+        f"{newer} was made by a newer toko (schema version {LATEST_VERSION + 6}; "
+        f"this toko knows up to {LATEST_VERSION}): upgrade toko first"
+    )
+    assert_untouched(db, before)
+
+    # An older toko's backup is restored as it is; the next open upgrades it.
+    older = tmp_path / "older.db"
+    make_sqlite_at(
+        str(older), 1, "INSERT INTO products (nama, harga, created_at) VALUES ('Lama', 1, 0)"
+    )
+    assert backup.restore(str(db), older) is not None
+    store = SqliteStore(str(db))
+    await store.open()
+    try:
+        assert [p.nama for p in await store.list_products(0, 10)] == ["Lama"]
+    finally:
+        await store.close()
+
+
+def _other_programs_database(path: Path) -> None:
+    conn = sqlite3.connect(path)
+    try:
+        conn.execute("CREATE TABLE notes (id INTEGER PRIMARY KEY, body TEXT)")
+        conn.execute("INSERT INTO notes (body) VALUES ('not a shop')")
+        conn.execute("PRAGMA user_version = 7")  # other programs number their schemas too
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def _products_without_a_version(path: Path) -> None:
+    make_sqlite_at(str(path), LATEST_VERSION)
+    set_user_version(path, 0)  # toko-api would create its tables again, and fail to start
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (_other_programs_database, "no products or jobs table"),
+        (lambda path: path.write_bytes(b""), "no products or jobs table"),  # an empty SQLite file
+        (_products_without_a_version, "no toko schema version"),
+    ],
+    ids=["another-programs", "empty", "no-version"],
+)
+async def test_restore_refuses_a_file_that_is_not_a_toko_database(
+    tmp_path: Path, make: Callable[[Path], None], why: str
+) -> None:
+    db = tmp_path / "toko.db"
+    await seed(str(db), 2)
+    source = tmp_path / "other.db"
+    make(source)
+    backup.check_integrity(source)  # a sound SQLite file: only what it holds is wrong
+    before = db.read_bytes()
+    with pytest.raises(JobFailed) as refused:
+        backup.restore(str(db), source)
+    assert str(refused.value) == f"{source} is not a toko database ({why})"
+    assert_untouched(db, before)
+    assert count(db, "products") == 2
 
 
 async def test_backups_in_the_same_second_do_not_replace_each_other(tmp_path: Path) -> None:
