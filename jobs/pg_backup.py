@@ -19,6 +19,7 @@ import asyncio
 import glob
 import logging
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -28,11 +29,18 @@ from typing import IO
 
 import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 
-from jobs.backup import PREFIX, STOP_API, backup_name, list_backups, publish_backup
+from jobs.backup import (
+    PREFIX,
+    STOP_API,
+    backup_name,
+    list_backups,
+    publish_backup,
+    refuse_newer,
+)
 from jobs.common import JobFailed
 from service.settings import Settings
 from service.store.disk import fsync_dir, fsync_file
-from service.store.pg_migrations import MIGRATION_LOCK
+from service.store.pg_migrations import LATEST_VERSION, MIGRATION_LOCK
 from service.store.postgres import redact
 
 log = logging.getLogger("toko.backup")
@@ -97,6 +105,32 @@ def check_archive(settings: Settings, path: Path) -> None:
     missing = [table for table in REQUIRED_TABLES if table not in data]
     if missing:
         raise JobFailed(f"{path} holds no data for the toko tables {', '.join(missing)}")
+
+
+def archived_schema_version(settings: Settings, path: Path) -> int | None:
+    """The version in the archive's toko_schema row, read without a database."""
+    script = _run(
+        settings, pg_tool("pg_restore"), "--data-only", "--table=toko_schema", "--file=-", str(path)
+    ).stdout
+    lines = iter(script.splitlines())
+    for line in lines:
+        # pg_dump writes table data as COPY (toko-backup never asks for INSERTs).
+        copy = re.fullmatch(r"COPY \S*toko_schema \((.*)\) FROM stdin;", line)
+        if copy:
+            columns = [name.strip() for name in copy[1].split(",")]
+            row = next(lines, "\\.")
+            if row == "\\." or "version" not in columns:
+                return None
+            return int(row.split("\t")[columns.index("version")])
+    return None
+
+
+def check_schema_version(settings: Settings, path: Path) -> None:
+    """Refuse an archive whose schema this toko-api could not start on."""
+    version = archived_schema_version(settings, path)
+    if version is None:
+        raise JobFailed(f"{path} is not a toko backup (no schema version in it)")
+    refuse_newer(path, version, LATEST_VERSION)
 
 
 def _dump(settings: Settings, target: Path) -> None:
@@ -188,6 +222,9 @@ def restore(settings: Settings, source: Path, folder: Path) -> Path | None:
     if not source.is_file():
         raise JobFailed(f"no backup file at {source}")
     check_archive(settings, source)
+    # Not in check_archive: during an upgrade the hosts still on this toko
+    # back up a database a newer one has migrated, and rightly so.
+    check_schema_version(settings, source)
     kept = asyncio.run(_restore(settings, source, folder))
     kept_as = {} if kept is None else {"PREVIOUS": str(kept)}  # nothing there before: no field
     log.info("backup restored", extra={"PATH": str(source), **kept_as})

@@ -3,7 +3,9 @@
 A backup taken mid-write holds one consistent snapshot (every product with
 its job, each row identical to the source's); restored into an empty database
 it gives back exactly those rows. Restore refuses while a toko-api is
-connected. Backups are private (0600), verified, pruned like SQLite's.
+connected, and refuses an archive toko-api could not start on (a newer
+toko's) before it replaces anything. Backups are private (0600), verified,
+pruned like SQLite's.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from jobs import backup, pg_backup
 from jobs.common import JobFailed
 from service.models import Product
 from service.settings import Settings
+from service.store.pg_migrations import LATEST_VERSION
 from service.store.postgres import PostgresStore
 from service.tasks import product_email_job
 from tests.conftest import ServiceFactory
 from tests.operability.cli import freeze_mid_copy, partials
 from tests.postgres.conftest import clean_env, pg_env, run_tool, tool_command
 from tests.support.api import create_product, wait_healthy
+from tests.support.old_schema import make_postgres_at
 from tests.support.postgres import PostgresCluster, fetch
 from tests.support.syscalls import SYNCS, numbered, synced, trace_command, where
 
@@ -212,6 +216,74 @@ async def _seed(cluster: PostgresCluster, url: str, products: int) -> None:
         await asyncio.gather(*(store.create_product(f"p{i}", i, _job) for i in range(products)))
     finally:
         await store.close()
+
+
+async def _backup_of(
+    cluster: PostgresCluster, tmp_path: Path, version: int, *changes: str
+) -> tuple[str, Path]:
+    """A toko-backup archive of a new database at schema ``version``, then ``changes``."""
+    url = await cluster.async_create_database("source")
+    conn = await cluster.connect(url.rsplit("/", 1)[1])
+    try:
+        row = "INSERT INTO products (nama, harga, created_at) VALUES ('Lama', 1, 0)"
+        await make_postgres_at(conn, version, row)
+        for change in changes:
+            await conn.execute(change)
+    finally:
+        await conn.close()
+    # Even a newer toko's database: a host not yet upgraded backs it up all the same.
+    env = pg_env(cluster, url, TOKO_BACKUP_DIR=str(tmp_path / "archives"))
+    made = await asyncio.to_thread(run_tool, "toko-backup", tmp_path / "run", env)
+    assert made.returncode == 0, made.stderr
+    return url, Path(printed(made.stdout)[-1])
+
+
+async def test_a_restore_refuses_an_archive_toko_api_could_not_start_on_but_takes_an_older_one(
+    tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    await _seed(pg_cluster, pg_url, 2)
+    backups = tmp_path / "backups"
+    env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(backups))
+    bump = f"UPDATE toko_schema SET version = {LATEST_VERSION + 1}"  # as a newer toko leaves it
+    newer_url, newer = await _backup_of(pg_cluster, tmp_path, LATEST_VERSION, bump)
+    unversioned_url, unversioned = await _backup_of(
+        pg_cluster, tmp_path, LATEST_VERSION, "DELETE FROM toko_schema"
+    )
+    before = await dump_rows(pg_cluster, pg_url)
+
+    refusals = []
+    for archive in (newer, unversioned):
+        refused = await asyncio.to_thread(
+            run_tool, "toko-backup", tmp_path / "run", env, "--restore", str(archive)
+        )
+        refusals.append((refused.returncode, refused.stderr))
+
+    assert refusals == [
+        (
+            1,
+            f"toko-backup: {newer} was made by a newer toko (schema version {LATEST_VERSION + 1};"
+            f" this toko knows up to {LATEST_VERSION}): upgrade toko first\n",
+        ),
+        (1, f"toko-backup: {unversioned} is not a toko backup (no schema version in it)\n"),
+    ]
+    assert await dump_rows(pg_cluster, pg_url) == before
+    assert not backups.exists()  # refused before the current contents were even dumped
+
+    # An older toko's archive is restored as it is; toko-api upgrades it at start.
+    older_url, older = await _backup_of(pg_cluster, tmp_path, 1)
+    restored = await asyncio.to_thread(
+        run_tool, "toko-backup", tmp_path / "run", env, "--restore", str(older)
+    )
+    assert restored.returncode == 0, restored.stderr
+    assert await fetch(pg_cluster, pg_url, "SELECT version FROM toko_schema") == [(1,)]
+    store = PostgresStore(pg_url, password=pg_cluster.password)
+    await store.open()
+    try:
+        assert [p.nama for p in await store.list_products(0, 10)] == ["Lama"]
+    finally:
+        await store.close()
+    for url in (newer_url, unversioned_url, older_url):
+        await pg_cluster.async_drop_database(url)
 
 
 async def test_backups_are_pruned_and_verified(
