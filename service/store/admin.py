@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from service.models import Job, JobState, QueueCounts, iso_utc
+from service.models import JOB_STATES, Job, JobState, QueueCounts, iso_utc
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,13 @@ RETRYABLE_WHERE: dict[Retryable, str] = {
     "failed": "state = 'failed'",
     "waiting": "state = 'pending' AND attempts > 0",
 }
+
+
+# A job state written into the query as a literal, never bound: both planners
+# use a partial index (``WHERE state = 'failed'``) only when the query's own
+# WHERE implies its condition, and ``state = ?`` implies nothing (SQLite at
+# prepare time; PostgreSQL once it settles on a generic plan).
+STATE_WHERE: dict[JobState, str] = {state: f"state = '{state}'" for state in JOB_STATES}
 
 
 @runtime_checkable

@@ -97,6 +97,11 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE UNIQUE INDEX products_idempotency_key ON products (idempotency_key)
         WHERE idempotency_key IS NOT NULL;
     """,
+    # 5: `toko-queue list --state failed` read the whole table. Partial, so
+    #    the hot path (insert, claim, ack) never touches it.
+    """
+    CREATE INDEX jobs_failed_updated_at ON jobs (updated_at, id) WHERE state = 'failed';
+    """,
 )
 
 LATEST_VERSION = len(MIGRATIONS)

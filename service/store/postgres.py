@@ -41,7 +41,7 @@ import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 
 from service.logs import Throttle
 from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts, job_from_row
-from service.store.admin import RETRYABLE_WHERE, JobDetails, QueueStats, Retryable
+from service.store.admin import RETRYABLE_WHERE, STATE_WHERE, JobDetails, QueueStats, Retryable
 from service.store.base import (
     ABANDONED_AGAIN_SQL,
     ABANDONED_ERROR,
@@ -132,6 +132,29 @@ def _set_event(event: asyncio.Event, *_: object) -> None:
 
 def _details_from_row(row: Sequence[Any]) -> JobDetails:
     return JobDetails(job=job_from_row(row[:9]), updated_at=row[9], lease_until=row[10])
+
+
+def list_jobs_sql(state: JobState) -> str:
+    """The query of ``list_jobs`` (parameter: the limit): done and failed jobs
+    come in order from their own indexes (migrations 2 and 5), not the table."""
+    return (
+        f"SELECT {_DETAIL_COLUMNS} FROM jobs WHERE {STATE_WHERE[state]} "
+        "ORDER BY updated_at DESC, id DESC LIMIT $1"
+    )
+
+
+# One chunk of purge_done (parameters: older_than, chunk), through jobs_done_updated_at.
+PURGE_DONE_SQL = """
+    WITH doomed AS (
+        SELECT id FROM jobs WHERE state = 'done' AND updated_at < $1
+         LIMIT $2 FOR UPDATE SKIP LOCKED
+    ), unlinked AS (
+        UPDATE recaps SET job_id = NULL WHERE job_id IN (SELECT id FROM doomed)
+    ), deleted AS (
+        DELETE FROM jobs WHERE id IN (SELECT id FROM doomed) RETURNING 1
+    )
+    SELECT count(*) FROM deleted
+"""
 
 
 @dataclass
@@ -970,13 +993,7 @@ class PostgresStore:
         return QueueStats(QueueCounts(**figures), by_kind, oldest[0] if oldest else None)
 
     async def list_jobs(self, state: JobState, limit: int) -> list[JobDetails]:
-        rows = await self._fetch(
-            f"SELECT {_DETAIL_COLUMNS} FROM jobs WHERE state = $1 "
-            "ORDER BY updated_at DESC, id DESC LIMIT $2",
-            state,
-            limit,
-            retry=True,
-        )
+        rows = await self._fetch(list_jobs_sql(state), limit, retry=True)
         return [_details_from_row(row) for row in rows]
 
     async def job_details(self, job_id: int) -> JobDetails | None:
@@ -1014,22 +1031,7 @@ class PostgresStore:
         # a period run once) but lets go of its pruned email job.
         total = 0
         while True:
-            row = await self._fetchrow(
-                """
-                WITH doomed AS (
-                    SELECT id FROM jobs WHERE state = 'done' AND updated_at < $1
-                     LIMIT $2 FOR UPDATE SKIP LOCKED
-                ), unlinked AS (
-                    UPDATE recaps SET job_id = NULL WHERE job_id IN (SELECT id FROM doomed)
-                ), deleted AS (
-                    DELETE FROM jobs WHERE id IN (SELECT id FROM doomed) RETURNING 1
-                )
-                SELECT count(*) FROM deleted
-                """,
-                older_than,
-                chunk,
-                write=True,
-            )
+            row = await self._fetchrow(PURGE_DONE_SQL, older_than, chunk, write=True)
             deleted = int(row[0]) if row else 0
             total += deleted
             if deleted < chunk:

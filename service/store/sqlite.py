@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts, job_from_row
-from service.store.admin import RETRYABLE_WHERE, JobDetails, QueueStats, Retryable
+from service.store.admin import RETRYABLE_WHERE, STATE_WHERE, JobDetails, QueueStats, Retryable
 from service.store.base import (
     ABANDONED_AGAIN_SQL,
     ABANDONED_ERROR,
@@ -452,11 +452,7 @@ class SqliteStore:
 
     async def list_jobs(self, state: JobState, limit: int) -> list[JobDetails]:
         def read(conn: sqlite3.Connection) -> list[JobDetails]:
-            rows = conn.execute(
-                f"SELECT {_DETAIL_COLUMNS} FROM jobs WHERE state = ? "
-                "ORDER BY updated_at DESC, id DESC LIMIT ?",
-                (state, limit),
-            ).fetchall()
+            rows = conn.execute(list_jobs_sql(state), (limit,)).fetchall()
             return [_details_from_row(row) for row in rows]
 
         return await self._read(read)
@@ -500,6 +496,15 @@ class SqliteStore:
             if deleted < chunk:
                 return total
             await _let_others_write()
+
+
+def list_jobs_sql(state: JobState) -> str:
+    """The query of ``list_jobs`` (parameter: the limit): done and failed jobs
+    come in order from their own index (migration 4), not sorted from all."""
+    return (
+        f"SELECT {_DETAIL_COLUMNS} FROM jobs WHERE {STATE_WHERE[state]} "
+        "ORDER BY updated_at DESC, id DESC LIMIT ?"
+    )
 
 
 # Batch functions for the group-commit writer: each takes every argument queued
@@ -804,20 +809,21 @@ def retry_by_id_sql(where: str, ids: int) -> str:
     )
 
 
+# One chunk of done jobs to purge (parameters: older_than, chunk). The newest
+# job stays, however old: SQLite numbers a new row one past the largest id, so
+# the next job would get the purged one's id (two jobs under one JOB_ID in the
+# journal). Through jobs_done_updated_at, the last chunk, which finds few or
+# none, reads only the old ones rather than every done job.
+PURGE_DONE_SQL = (
+    "SELECT id FROM jobs WHERE state = 'done' AND updated_at < ?"
+    " AND id < (SELECT max(id) FROM jobs) LIMIT ?"
+)
+
+
 def _purge_done(conn: sqlite3.Connection, items: list[tuple[float, int]]) -> list[int]:
     counts = []
     for older_than, chunk in items:
-        # The newest job stays, however old: SQLite numbers a new row one past
-        # the largest id, so the next job would get the purged one's id (two
-        # jobs under one JOB_ID in the journal).
-        ids = [
-            row[0]
-            for row in conn.execute(
-                "SELECT id FROM jobs WHERE state = 'done' AND updated_at < ?"
-                " AND id < (SELECT max(id) FROM jobs) LIMIT ?",
-                (older_than, chunk),
-            )
-        ]
+        ids = [row[0] for row in conn.execute(PURGE_DONE_SQL, (older_than, chunk))]
         for part in _ids_in_chunks(ids):
             marks = ", ".join("?" * len(part))
             # A recap keeps its row (that is what makes a period run once) but

@@ -13,14 +13,21 @@ from pathlib import Path
 import pytest
 
 from service.mail import LogMailer
-from service.models import Job, NewJob, Product, stored_job
+from service.models import Job, JobState, NewJob, Product, stored_job
 from service.store.admin import RETRYABLE_WHERE, QueueAdmin, Retryable
 from service.store.base import ABANDONED_ERROR, Store, StoreError
 from service.store.group_commit import GroupCommitWriter
 from service.store.migrations import LATEST_VERSION, migrate
 from service.store.pg_migrations import LATEST_VERSION as PG_LATEST_VERSION
 from service.store.postgres import PostgresStore
-from service.store.sqlite import SqliteStore, _create_products, connect, retry_by_id_sql
+from service.store.sqlite import (
+    PURGE_DONE_SQL,
+    SqliteStore,
+    _create_products,
+    connect,
+    list_jobs_sql,
+    retry_by_id_sql,
+)
 from service.tasks import HANDLERS, JobContext, product_email_job
 from tests.unit.conftest import Backend, FakeClock
 
@@ -341,7 +348,7 @@ async def test_every_older_schema_upgrades_with_its_products_and_jobs(
         claimed = await store.claim(10, 60)
         assert [job.id for job in claimed] == claimable
         assert claimed[0].payload == {"product_id": 2, "nama": "Tunda", "harga": 1002}
-        # The newest step's idempotency keys work, and ids go on from the old rows'.
+        # Idempotency keys (a later step than some) work, and ids go on from the old rows'.
         new, job_id = await store.create_product("Baru", 8, email_job, "k")
         assert (new.id, job_id) == (6, 6)
         assert (await store.create_product("Baru", 8, email_job, "k")) == (new, None)
@@ -672,6 +679,28 @@ async def test_a_retry_finds_its_jobs_by_id(sqlite_store: SqliteStore, which: Re
     sql = retry_by_id_sql(RETRYABLE_WHERE[which], 500)
     plan = rows(sqlite_store.path, f"EXPLAIN QUERY PLAN {sql}".replace("?", "1"))
     assert [row[3] for row in plan] == ["SEARCH jobs USING INTEGER PRIMARY KEY (rowid=?)"]
+
+
+def _plan(path: str, sql: str) -> list[str]:
+    return [str(row[3]) for row in rows(path, f"EXPLAIN QUERY PLAN {sql}".replace("?", "1"))]
+
+
+@pytest.mark.parametrize("state", ["done", "failed"])
+async def test_done_and_failed_jobs_are_listed_in_order_from_their_own_index(
+    sqlite_store: SqliteStore, state: JobState
+) -> None:
+    # Through the state index, `toko-queue list --state done` read and sorted
+    # every done job: 1.4 s for 1.65 million of them.
+    plan = _plan(sqlite_store.path, list_jobs_sql(state))
+    assert plan == [f"SEARCH jobs USING INDEX jobs_{state}_updated_at (state=?)"]  # no sort
+
+
+async def test_a_purge_finds_old_done_jobs_by_their_own_index(sqlite_store: SqliteStore) -> None:
+    # Through the state index, the last chunk of a purge, which finds few or
+    # none, read every done job: 0.5 s for 1.65 million, at every run.
+    plan = _plan(sqlite_store.path, PURGE_DONE_SQL)
+    index = "COVERING INDEX jobs_done_updated_at (state=? AND updated_at<?)"
+    assert plan[0] == f"SEARCH jobs USING {index}"
 
 
 async def test_an_attempt_that_did_part_of_the_job_leaves_the_rest(
