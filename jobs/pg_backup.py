@@ -114,14 +114,21 @@ def archived_schema_version(settings: Settings, path: Path) -> int | None:
     ).stdout
     lines = iter(script.splitlines())
     for line in lines:
-        # pg_dump writes table data as COPY (toko-backup never asks for INSERTs).
+        # toko-backup's archives hold COPY data; `pg_dump --inserts` or
+        # `--column-inserts` by hand, an INSERT (columns as the table has them).
         copy = re.fullmatch(r"COPY \S*toko_schema \((.*)\) FROM stdin;", line)
+        insert = re.fullmatch(r"INSERT INTO \S*toko_schema (?:\((.*)\) )?VALUES \((.*)\);", line)
         if copy:
-            columns = [name.strip() for name in copy[1].split(",")]
-            row = next(lines, "\\.")
-            if row == "\\." or "version" not in columns:
+            columns, row = copy[1], next(lines, "\\.")
+            if row == "\\.":
                 return None
-            return int(row.split("\t")[columns.index("version")])
+            values = row.split("\t")
+        elif insert:
+            columns, values = insert[1] or "one, version", insert[2].split(",")
+        else:
+            continue
+        names = [name.strip() for name in columns.split(",")]
+        return int(values[names.index("version")]) if "version" in names else None
     return None
 
 

@@ -375,3 +375,28 @@ async def test_a_stopped_backup_leaves_no_partial_dump_behind(
     assert result.returncode == 0, result
     assert partials(folder) == []
     assert len(backup.list_backups(folder, pg_backup.SUFFIX)) == 1
+
+
+@pytest.mark.parametrize("form", ["--inserts", "--column-inserts"])
+async def test_an_archive_pg_dump_wrote_with_inserts_restores_too(
+    tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str, form: str
+) -> None:
+    # An admin's own `pg_dump -Fc --inserts`: its data are INSERTs, not COPY.
+    source_url, _ = await _backup_of(pg_cluster, tmp_path, LATEST_VERSION)
+    archive = tmp_path / "by-hand.dump"
+    dumped = await asyncio.to_thread(
+        subprocess.run,
+        [pg_backup.pg_tool("pg_dump"), "-Fc", form, f"--file={archive}", source_url],
+        env={**os.environ, "PGPASSWORD": pg_cluster.password},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert dumped.returncode == 0, dumped.stderr
+    env = pg_env(pg_cluster, pg_url)
+    restored = await asyncio.to_thread(
+        run_tool, "toko-backup", tmp_path / "run", env, "--restore", str(archive)
+    )
+    assert restored.returncode == 0, restored.stderr
+    assert await fetch(pg_cluster, pg_url, "SELECT nama FROM products") == [("Lama",)]
+    await pg_cluster.async_drop_database(source_url)
