@@ -49,8 +49,10 @@ CLAIMER_STOP_SECONDS = 5.0
 # How long stop() waits for each of its own writes: putting back unstarted
 # jobs, then marking the last ones done. A store that hangs (a locked table, a
 # silent database host) would otherwise hold the exit for its command timeout
-# per write, past systemd's TimeoutStopSec=. What is not written is safe: those
-# jobs run again (at the next start, or when their lease expires).
+# per write, past systemd's TimeoutStopSec=. A write given up on is left to
+# the store, not withdrawn: it is recorded if the store takes it after all (a
+# lock let go of); if not, those jobs run again (at the next start, or when
+# their lease expires).
 STOP_WRITE_SECONDS = 5.0
 # stop() reports that it still waits this often (EXTEND_TIMEOUT_USEC).
 STOP_TICK_SECONDS = 1.0
@@ -115,7 +117,8 @@ class WorkerPool:
         self._claimer: asyncio.Task[None] | None = None
         self._acker: asyncio.Task[None] | None = None
         self._acks: list[Job] = []
-        self._acks_in_flight = 0  # taken from _acks by the write in flight
+        self._acks_in_flight = 0  # taken from _acks by the writes in flight
+        self._left_to_store: set[asyncio.Future[None]] = set()  # writes stop() gave up on
         self._late: list[Job] = []  # leased jobs dispatched after stop() began
         # Leased to us and not yet acked, retried or failed in the store: never
         # claimed again by us, even if a clock step makes their leases look expired.
@@ -281,12 +284,14 @@ class WorkerPool:
         return left
 
     async def _save_last_outcomes(self) -> None:
+        # All at once, not each behind the last: behind a store that hangs (a
+        # locked table) the later ones would never be sent before the exit,
+        # though the store would have recorded them as soon as it could.
+        writes: list[Awaitable[None]] = [self._flush_acks(), self._release(self._late)]
         if self._acker is not None and not self._acker.done():
-            # Let the acker finish the write in flight and flush the rest.
-            self._ack_wakeup.set()
-            await self._acker
-        await self._flush_acks()
-        await self._release(self._late)
+            self._ack_wakeup.set()  # it ends after its write in flight
+            writes.append(self._acker)
+        await asyncio.gather(*writes)
 
     async def _write_at_stop(
         self, write: Awaitable[None], what: str, jobs: int, on_wait: Callable[[str], None]
@@ -303,9 +308,13 @@ class WorkerPool:
             if time.monotonic() >= deadline:
                 break
             on_wait(f"stopping: {what}")
-        # Not awaited: a query to a silent host ignores the cancel until its own
-        # timeout; the store's close() drops its connection.
-        task.cancel()
+        # Not cancelled, and not awaited: the store may still record it, where
+        # a cancel would withdraw it and its jobs would run again. SQLite commits
+        # what it was given as it closes; a PostgreSQL server that holds the
+        # statement, waiting on a lock, commits it even after close() dropped
+        # the connection. A silent host ignores a cancel anyway.
+        self._left_to_store.add(task)
+        task.add_done_callback(self._left_to_store.discard)
         task.add_done_callback(_outcome_seen)
         log.error(
             "the store did not answer within %g s while stopping (%s); those jobs may run again",
@@ -477,7 +486,7 @@ class WorkerPool:
         jobs, self._acks = self._acks, []
         if not jobs:
             return
-        self._acks_in_flight = len(jobs)
+        self._acks_in_flight += len(jobs)
         try:
             await self._store.complete(jobs)
         except StoreError as exc:
@@ -485,7 +494,7 @@ class WorkerPool:
             # (delivery is at-least-once; the Message-ID tells duplicates apart).
             log.error("could not mark jobs done: %s", exc, extra={"JOBS": len(jobs)})
         finally:
-            self._acks_in_flight = 0
+            self._acks_in_flight -= len(jobs)
             self._held.difference_update(job.id for job in jobs)
 
     async def _record_failure(

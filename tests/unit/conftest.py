@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import closing
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, closing
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,12 @@ class Backend:
         this job does: they, and those after them, are handed out again."""
         raise NotImplementedError
 
+    def jobs_locked(self) -> AbstractAsyncContextManager[None]:
+        """Another session holds the jobs table until the block ends (SQLite:
+        the file's write lock; PostgreSQL: LOCK TABLE, as maintenance does):
+        the store's writes to it wait, and on PostgreSQL its reads too."""
+        raise NotImplementedError
+
 
 class SqliteBackend(Backend):
     name = "sqlite"
@@ -106,6 +112,15 @@ class SqliteBackend(Backend):
         with closing(sqlite3.connect(self.path)) as conn, conn:
             conn.execute("DELETE FROM jobs WHERE id >= ?", (job_id,))
             conn.execute("DELETE FROM products WHERE id >= ?", (product_id,))
+
+    @asynccontextmanager
+    async def jobs_locked(self) -> AsyncIterator[None]:
+        with closing(sqlite3.connect(self.path, isolation_level=None)) as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            finally:
+                conn.execute("ROLLBACK")
 
 
 class PostgresBackend(Backend):
@@ -151,6 +166,20 @@ class PostgresBackend(Backend):
         await self.rows(f"DELETE FROM products WHERE id >= {int(product_id)}")
         await self.rows(f"SELECT setval('jobs_id_seq', {int(job_id)}, false)")
         await self.rows(f"SELECT setval('products_id_seq', {int(product_id)}, false)")
+
+    @asynccontextmanager
+    async def jobs_locked(self) -> AsyncIterator[None]:
+        conn = await self.cluster.connect(self.url.rsplit("/", 1)[1])
+        try:
+            locked = conn.transaction()
+            await locked.start()
+            await conn.execute("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE")
+            try:
+                yield
+            finally:
+                await locked.rollback()
+        finally:
+            await conn.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from typing import Any
 
 import pytest
 
@@ -12,6 +14,7 @@ from service import workers
 from service.mail import Email
 from service.models import Job, NewJob
 from service.settings import Settings
+from service.store import postgres
 from service.store.base import Store, StoreError
 from service.tasks import JobContext
 from service.workers import PoolConfig, WorkerPool, backoff_delay
@@ -367,6 +370,89 @@ async def test_stop_puts_back_a_leased_job_that_never_started(
     first, second = [await store.get_job(i) for i in ids]
     assert first is not None and first.state == "done"
     assert second is not None and second.state == "pending" and second.attempts == 0
+
+
+async def test_outcomes_stop_gave_up_on_are_recorded_once_the_store_answers(
+    store: Store,
+    backend: Backend,
+    make_pool: Callable[..., WorkerPool],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The jobs table stays locked past the stop (maintenance; on SQLite another
+    # process's write lock), so stop() gives up on its writes. It withdrew them
+    # (PostgreSQL cancelled the statement its server held) and left unsent the
+    # ones queued behind (an ack behind the ack in flight, the jobs to put
+    # back): jobs whose emails had gone out ran again once the lock was gone.
+    monkeypatch.setattr(workers, "STOP_WRITE_SECONDS", 0.2)
+    monkeypatch.setattr(workers, "STOP_TICK_SECONDS", 0.05)
+    monkeypatch.setattr(postgres, "CLOSE_SECONDS", 0.2)
+    started = {name: asyncio.Event() for name in "abcz"}
+    finish = {name: asyncio.Event() for name in "abc"}
+
+    async def handler(job: Job, ctx: JobContext) -> None:
+        started[job.payload["name"]].set()
+        if job.payload["name"] != "z":
+            await finish[job.payload["name"]].wait()
+
+    pool = make_pool(handler, workers=2)
+    await start_parked(pool, store, monkeypatch)
+
+    async def enqueue_here(name: str) -> int:
+        job = await enqueue_stored(store, NewJob("k", {"name": name}, 3, leased_for=pool.reserve()))
+        pool.dispatch(job)
+        return job.id
+
+    # A job acked before: the acker's connection knows its statement, as in
+    # a service that has run for a while.
+    await wait_state(store, await enqueue_here("z"), "done")
+    acking = asyncio.Event()
+    real_complete = store.complete
+
+    async def signalling_complete(jobs: Sequence[Job]) -> None:
+        acking.set()
+        await real_complete(jobs)
+
+    monkeypatch.setattr(store, "complete", signalling_complete)
+    ids = {name: await enqueue_here(name) for name in "abc"}  # c waits for a worker
+    await started["a"].wait()
+    await started["b"].wait()
+
+    def on_wait(status: str) -> None:
+        if status.startswith("draining"):
+            finish["a"].set()
+            if acking.is_set():  # a's ack waits for the lock: b's comes behind it
+                finish["b"].set()
+
+    async with backend.jobs_locked():
+        assert await pool.stop(5.0, on_wait) == 0
+        closing = asyncio.create_task(store.close())
+        if backend.name == "postgres":
+            await closing  # it gave up on the server and dropped the connections
+    await closing  # SQLite commits what it was given once the lock is gone
+    expected = {"a": ("done", 1)}
+    if backend.name == "sqlite":
+        expected |= {"b": ("done", 1), "c": ("pending", 0)}  # c: put back, unstarted
+    # PostgreSQL records the statements its server held; b's ack (behind a's
+    # on the acker's connection) and c's release (parsed only once the lock
+    # is gone) had not reached it: they run again when their leases expire,
+    # as after a kill.
+    assert await settled_states(backend, {name: ids[name] for name in expected}) == expected
+
+
+async def settled_states(backend: Backend, ids: dict[str, int]) -> dict[str, tuple[str, int]]:
+    """Each job's (state, attempts) once none is running, or as it is after 5 s."""
+    names = {job_id: name for name, job_id in ids.items()}
+    listed = ", ".join(str(job_id) for job_id in ids.values())
+    sql = f"SELECT id, state, attempts FROM jobs WHERE id IN ({listed})"
+    rows: list[tuple[Any, ...]] = []
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(5):
+            while True:
+                rows = await backend.rows(sql)
+                if all(state != "running" for _, state, _ in rows):
+                    break
+                await asyncio.sleep(0.01)  # a server commits them as it gets the lock: poll
+    return {names[job_id]: (state, attempts) for job_id, state, attempts in rows}
 
 
 async def test_exceptions_are_retried_then_kept_as_failed(
