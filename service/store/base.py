@@ -151,9 +151,13 @@ class Store(Protocol):
         """
 
     # The outcome of an attempt is written for the claim that made it: the job
-    # as claimed (its id and attempt). A claim no longer held, whose lease ran
-    # out and another host claimed the job again, writes nothing: a late
-    # outcome must not undo that host's claim or its result.
+    # as claimed (its id, attempt and run_at). A claim no longer held, whose
+    # lease ran out and another host claimed the job again, writes nothing: a
+    # late outcome must not undo that host's claim or its result. The attempt
+    # alone does not tell claims apart once an admin's retry_now has reset the
+    # attempts: the claim after it is attempt 1 again. run_at does: retry_now
+    # makes the job due at its own time, after the lease of every earlier
+    # claim ran out, and a claim never changes run_at.
 
     async def complete(self, jobs: Sequence[Job]) -> None:
         """Mark jobs done (acks are batched: one write for many jobs)."""

@@ -717,17 +717,19 @@ class PostgresStore:
     async def complete(self, jobs: Sequence[Job]) -> None:
         if not jobs:
             return
-        # Fenced on the claim (id and attempt): see Store.
+        # Fenced on the claim (id, attempt and run_at): see Store.
         status = await self._execute(
             """
             UPDATE jobs SET state = 'done', lease_until = NULL, updated_at = $3
-              FROM unnest($1::bigint[], $2::int[]) AS claim(job_id, attempt)
+              FROM unnest($1::bigint[], $2::int[], $4::float8[])
+                   AS claim(job_id, attempt, run_at)
              WHERE jobs.id = claim.job_id AND jobs.attempts = claim.attempt
-               AND jobs.state = 'running'
+               AND jobs.run_at = claim.run_at AND jobs.state = 'running'
             """,
             [job.id for job in jobs],
             [job.attempts for job in jobs],
             self._clock(),
+            [job.run_at for job in jobs],
             retry=True,
             write=True,
             lane=self._acks,
@@ -755,7 +757,7 @@ class PostgresStore:
             UPDATE jobs SET state = $2, last_error = coalesce($3, last_error),
                    run_at = coalesce($4, run_at), payload = coalesce($6::jsonb, payload),
                    lease_until = NULL, updated_at = $5
-             WHERE id = $1 AND attempts = $7 AND state = 'running'
+             WHERE id = $1 AND attempts = $7 AND run_at = $8 AND state = 'running'
             """,
             job.id,
             state,
@@ -764,6 +766,7 @@ class PostgresStore:
             self._clock(),
             None if payload is None else json.dumps(payload),
             job.attempts,
+            job.run_at,
             retry=True,
             write=True,
         )
@@ -778,9 +781,10 @@ class PostgresStore:
             WITH released AS (
                 UPDATE jobs SET state = 'pending', attempts = greatest(attempts - 1, 0),
                        lease_until = NULL, updated_at = $3
-                  FROM unnest($1::bigint[], $2::int[]) AS claim(job_id, attempt)
+                  FROM unnest($1::bigint[], $2::int[], $4::float8[])
+                       AS claim(job_id, attempt, run_at)
                  WHERE jobs.id = claim.job_id AND jobs.attempts = claim.attempt
-                   AND jobs.state = 'running'
+                   AND jobs.run_at = claim.run_at AND jobs.state = 'running'
                 RETURNING jobs.id
             )
             SELECT pg_notify('{JOBS_CHANNEL}', '') WHERE EXISTS (SELECT 1 FROM released)
@@ -788,6 +792,7 @@ class PostgresStore:
             [job.id for job in jobs],
             [job.attempts for job in jobs],
             self._clock(),
+            [job.run_at for job in jobs],
             retry=True,
             write=True,
         )

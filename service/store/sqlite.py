@@ -325,23 +325,23 @@ class SqliteStore:
 
     async def complete(self, jobs: Sequence[Job]) -> None:
         if jobs:
-            claims = [(job.id, job.attempts) for job in jobs]
+            claims = [_claim_of(job) for job in jobs]
             changed = await self._write(_complete, (claims, self._clock()))
             note_lost_claims(len(jobs), changed, "done")
 
     async def retry(
         self, job: Job, error: str, run_at: float, payload: dict[str, Any] | None = None
     ) -> None:
-        arg: StateArg = (job.id, job.attempts, "pending", error, run_at, _json_or_none(payload))
+        arg: StateArg = (_claim_of(job), "pending", error, run_at, _json_or_none(payload))
         note_lost_claims(1, await self._write(_set_state, (arg, self._clock())), "pending")
 
     async def fail(self, job: Job, error: str, payload: dict[str, Any] | None = None) -> None:
-        arg: StateArg = (job.id, job.attempts, "failed", error, None, _json_or_none(payload))
+        arg: StateArg = (_claim_of(job), "failed", error, None, _json_or_none(payload))
         note_lost_claims(1, await self._write(_set_state, (arg, self._clock())), "failed")
 
     async def release(self, jobs: Sequence[Job]) -> None:
         if jobs:
-            claims = [(job.id, job.attempts) for job in jobs]
+            claims = [_claim_of(job) for job in jobs]
             await self._write(_release, (claims, self._clock()))
 
     async def recover_abandoned(self) -> int:
@@ -670,8 +670,13 @@ def _ids_in_chunks(ids: list[int], size: int = 500) -> list[list[int]]:
     return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
-# (job id, attempt): a claim, as the worker that holds it knows it.
-Claim = tuple[int, int]
+# (job id, attempt, run_at): a claim, as the worker that holds it knows it
+# (see the outcome methods of Store, in base).
+Claim = tuple[int, int, float]
+
+
+def _claim_of(job: Job) -> Claim:
+    return (job.id, job.attempts, job.run_at)
 
 
 def _complete(conn: sqlite3.Connection, items: list[tuple[list[Claim], float]]) -> list[int]:
@@ -679,15 +684,15 @@ def _complete(conn: sqlite3.Connection, items: list[tuple[list[Claim], float]]) 
     for claims, now in items:
         cur = conn.executemany(
             "UPDATE jobs SET state = 'done', lease_until = NULL, updated_at = ?"
-            " WHERE id = ? AND attempts = ? AND state = 'running'",
-            [(now, job_id, attempt) for job_id, attempt in claims],
+            " WHERE id = ? AND attempts = ? AND run_at = ? AND state = 'running'",
+            [(now, *claim) for claim in claims],
         )
         changed.append(cur.rowcount)
     return changed
 
 
-# job id, its attempt, state, error, run_at, payload (JSON text; None keeps it)
-StateArg = tuple[int, int, str, str | None, float | None, str | None]
+# the claim, state, error, run_at, payload (JSON text; None keeps it)
+StateArg = tuple[Claim, str, str | None, float | None, str | None]
 
 
 def _json_or_none(payload: dict[str, Any] | None) -> str | None:
@@ -696,15 +701,15 @@ def _json_or_none(payload: dict[str, Any] | None) -> str | None:
 
 def _set_state(conn: sqlite3.Connection, items: list[tuple[StateArg, float]]) -> list[int]:
     changed = []
-    for (job_id, attempt, state, error, run_at, payload), now in items:
+    for (claim, state, error, run_at, payload), now in items:
         cur = conn.execute(
             """
             UPDATE jobs SET state = ?, last_error = coalesce(?, last_error),
                    run_at = coalesce(?, run_at), payload = coalesce(?, payload),
                    lease_until = NULL, updated_at = ?
-             WHERE id = ? AND attempts = ? AND state = 'running'
+             WHERE id = ? AND attempts = ? AND run_at = ? AND state = 'running'
             """,
-            (state, error, run_at, payload, now, job_id, attempt),
+            (state, error, run_at, payload, now, *claim),
         )
         changed.append(cur.rowcount)
     return changed
@@ -715,9 +720,9 @@ def _release(conn: sqlite3.Connection, items: list[tuple[list[Claim], float]]) -
         """
         UPDATE jobs SET state = 'pending', attempts = max(attempts - 1, 0),
                lease_until = NULL, updated_at = ?
-         WHERE id = ? AND attempts = ? AND state = 'running'
+         WHERE id = ? AND attempts = ? AND run_at = ? AND state = 'running'
         """,
-        [(now, job_id, attempt) for claims, now in items for job_id, attempt in claims],
+        [(now, *claim) for claims, now in items for claim in claims],
     )
     return [None] * len(items)
 

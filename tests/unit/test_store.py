@@ -745,6 +745,34 @@ async def test_a_late_outcome_of_a_claim_no_longer_held_changes_nothing(
     assert sum("not recorded" in r.getMessage() for r in caplog.records) == 4
 
 
+async def test_a_late_outcome_changes_nothing_after_an_admin_retry_reset_the_attempts(
+    store: Store, clock: FakeClock
+) -> None:
+    # Host A stalls past its lease; B claims the job again and it fails for
+    # good; an admin retries it (attempts back to 0) and C claims it: attempt
+    # 1 again, as A's was. A's late outcome must still be refused, not taken
+    # for C's (a retry would hand the job to a fourth worker while C runs it).
+    assert isinstance(store, QueueAdmin)
+    job_id = await store.enqueue(NewJob("k", {}, 2))
+    (as_a,) = await store.claim(1, 60)
+    clock.now += 61
+    (as_b,) = await store.claim(1, 60)
+    await store.fail(as_b, "SMTP 550")
+    assert await store.retry_now([job_id], "failed") == [job_id]
+    (as_c,) = await store.claim(1, 60)
+    assert (as_a.id, as_a.attempts) == (as_c.id, as_c.attempts) == (job_id, 1)
+
+    await store.retry(as_a, "late", clock.now)
+    await store.release([as_a])
+    await store.complete([as_a])
+    assert await store.claim(5, 60) == []  # still C's
+    job = await store.get_job(job_id)
+    assert job is not None and (job.state, job.attempts) == ("running", 1)
+    assert job.last_error == "SMTP 550"  # not A's "late"
+    await store.complete([as_c])
+    assert (await store.counts()).done == 1
+
+
 async def test_fail_keeps_a_dead_letter(store: Store) -> None:
     await store.enqueue(NewJob("k", {}, 1))
     (job,) = await store.claim(1, 60)
