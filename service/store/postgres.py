@@ -487,6 +487,10 @@ class PostgresStore:
                     stop = True
                 else:
                     batch.append(item)
+            # A caller that gave up (a POST cancelled at shutdown, past its
+            # grace, behind a locked table) got no answer: make neither its
+            # product nor its job, leased to a process that is stopping.
+            batch = [write for write in batch if not write.future.cancelled()]
             if batch:
                 await self._commit_products(batch)
             if stop:

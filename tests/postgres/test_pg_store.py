@@ -464,3 +464,32 @@ async def waiting_on_a_lock(cluster: PostgresCluster, url: str, statement: str) 
             ):
                 return
             await asyncio.sleep(0.02)  # a lock wait has no event to await
+
+
+async def test_a_product_write_given_up_before_it_was_sent_is_not_made(
+    hosts: list[PostgresStore], pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    # At shutdown aiohttp cancels a POST that outlived its grace (the table
+    # locked meanwhile). Its write, still queued, must not be made once the
+    # lock goes: its client got no answer, and its job, leased to a process
+    # that is stopping, would sit running until the lease ran out.
+    locker = await pg_cluster.connect(pg_url.rsplit("/", 1)[1])
+    try:
+        tx = locker.transaction()
+        await tx.start()
+        await locker.execute("LOCK TABLE products IN ACCESS EXCLUSIVE MODE")
+        sent = asyncio.create_task(hosts[0].create_product("Kopi", 1, email_job_leased))
+        await waiting_on_a_lock(pg_cluster, pg_url, "INSERT INTO products")
+        queued = asyncio.create_task(hosts[0].create_product("Teh", 1, email_job_leased))
+        await asyncio.sleep(0)  # one turn of the loop: the task queues its write
+        queued.cancel()
+        await tx.rollback()
+        _, job_id = await sent
+    finally:
+        await locker.close()
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    assert await fetch(pg_cluster, pg_url, "SELECT nama FROM products") == [("Kopi",)]
+    assert await fetch(pg_cluster, pg_url, "SELECT id FROM jobs") == [(job_id,)]
+    await hosts[0].create_product("Gula", 1, email_job)  # the writer goes on
+    assert len(await fetch(pg_cluster, pg_url, "SELECT id FROM products")) == 2
