@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import queue
 import sqlite3
@@ -193,12 +194,12 @@ class GroupCommitWriter:
 
     def _commit(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
         if self._refused is not None:
-            results: list[_Result] = [(op, None, self._refused) for op in batch]
+            results: list[_Result] = [(op, None, _fresh(self._refused)) for op in batch]
         else:
             results = self._run_batch(conn, batch)
             self._refused = self._refusal(conn)
             if self._refused is not None:  # committed, but not where it counts
-                results = [(op, None, err or self._refused) for op, _, err in results]
+                results = [(op, None, err or _fresh(self._refused)) for op, _, err in results]
         self.batches += 1
         self.ops += len(batch)
         _send_results(results)
@@ -230,6 +231,16 @@ class GroupCommitWriter:
         except sqlite3.Error as exc:
             return exc
         return None
+
+
+def _fresh(refused: sqlite3.Error) -> sqlite3.Error:
+    """A copy of ``refused`` for one caller to raise.
+
+    Every raise of one exception object adds the raising frames to its
+    traceback, and the writer keeps that object for good: each refused write
+    left its frames (its arguments, a product's name) alive, until memory ran out.
+    """
+    return copy.copy(refused)
 
 
 def _run_in_transaction(conn: sqlite3.Connection, batch: list[_Op]) -> list[_Result]:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import re
 import sqlite3
+import traceback
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -149,6 +152,44 @@ async def test_a_failed_verify_refuses_its_batch_and_every_later_one(tmp_path: P
         writer.stop()
     assert rows(path, "SELECT x FROM t ORDER BY x") == [(1,), (2,)]
     assert len(verified) == 2, "once refused, for good: not asked again"
+
+
+class _Arg:
+    """A write's argument, which a weak reference can watch."""
+
+
+def _ignore_args(conn: sqlite3.Connection, items: list[_Arg]) -> list[None]:
+    return [None] * len(items)
+
+
+async def test_refused_writes_leave_nothing_of_theirs_alive(tmp_path: Path) -> None:
+    path = str(tmp_path / "w.db")
+
+    def verify(conn: sqlite3.Connection) -> None:
+        raise sqlite3.OperationalError("the file is gone")
+
+    writer = GroupCommitWriter(lambda: connect(path), verify)
+    writer.start()
+    try:
+        with pytest.raises(sqlite3.OperationalError):
+            await writer.run(_ignore_args, _Arg())
+        refusals, watched = [], []
+        for _ in range(20):  # each refused a file gone, as every POST is until a restart
+            arg = _Arg()
+            watched.append(weakref.ref(arg))
+            with pytest.raises(sqlite3.OperationalError) as refused:
+                await writer.run(_ignore_args, arg)
+            refusals.append(len(traceback.extract_tb(refused.value.__traceback__)))
+            del arg, refused
+        with pytest.raises(sqlite3.OperationalError):  # the writer's hands let go of the last
+            await writer.run(_ignore_args, _Arg())
+    finally:
+        writer.stop()
+    gc.collect()
+    # Before, they shared one exception, whose traceback grew by each raise and
+    # kept each refused write's frames, arguments included, alive for good.
+    assert len(set(refusals)) == 1, refusals
+    assert [ref() for ref in watched] == [None] * 20
 
 
 def _table_t(path: str) -> None:
