@@ -797,7 +797,10 @@ class PostgresStore:
             [job.attempts for job in jobs],
             self._clock(),
             [job.run_at for job in jobs],
-            retry=True,
+            # Not tried again: a release puts attempts back, so another host's
+            # claim of a job released already matches this fence, and a second
+            # try after a lost answer would hand a running job back to the
+            # queue. A release that failed leaves its jobs to their lease.
             write=True,
         )
 

@@ -8,6 +8,7 @@ backends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import secrets
@@ -493,3 +494,74 @@ async def test_a_product_write_given_up_before_it_was_sent_is_not_made(
     assert await fetch(pg_cluster, pg_url, "SELECT id FROM jobs") == [(job_id,)]
     await hosts[0].create_product("Gula", 1, email_job)  # the writer goes on
     assert len(await fetch(pg_cluster, pg_url, "SELECT id FROM products")) == 2
+
+
+# The server's answer to a release of one job: a row of pg_notify's void, "SELECT 1".
+RELEASED_ONE = b"D\x00\x00\x00\x0a\x00\x01\x00\x00\x00\x00C\x00\x00\x00\x0dSELECT 1\x00"
+
+
+async def test_a_release_whose_answer_was_lost_is_not_made_again_over_a_new_claim(
+    hosts: list[PostgresStore], pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    # A release commits (its NOTIFY wakes the other hosts), then the
+    # connection dies before its answer arrives. Meanwhile another host claims
+    # the job: a release puts attempts back, so that claim has the same id,
+    # attempts and run_at as the released one. Made again on a new connection,
+    # the release would match it and hand a job being run back to the queue,
+    # to be run twice at once.
+    claimer = hosts[1]
+    reclaimed: list[Job] = []
+    cut = asyncio.Event()
+
+    async def forward(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection(pg_cluster.host, pg_cluster.port)
+        releasing = asyncio.Event()
+
+        async def to_server() -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await client_r.read(65536):
+                    if b"WITH released" in data and armed.is_set():
+                        armed.clear()
+                        releasing.set()
+                    server_w.write(data)
+                    await server_w.drain()
+            server_w.close()
+
+        async def to_client() -> None:
+            with contextlib.suppress(ConnectionError):
+                withheld = b""
+                while data := await server_r.read(65536):
+                    if releasing.is_set() and RELEASED_ONE in withheld + data:
+                        withheld += data
+                        if not withheld.endswith(b"Z\x00\x00\x00\x05I"):
+                            continue  # committed once the server is ready for more
+                        # Committed, answer withheld: another host claims, then the cut.
+                        reclaimed.extend(await claimer.claim(1, 30.0))
+                        cut.set()
+                        break
+                    client_w.write(data)
+                    await client_w.drain()
+            client_w.close()
+            server_w.close()
+
+        await asyncio.gather(to_server(), to_client())
+
+    armed = asyncio.Event()
+    port = free_port()
+    proxy = await asyncio.start_server(forward, "127.0.0.1", port)
+    store = PostgresStore(
+        pg_url.replace(f":{pg_cluster.port}/", f":{port}/"), password=pg_cluster.password
+    )
+    await store.open()
+    try:
+        job_id = await store.enqueue(NewJob("k", {}, 3))
+        [job] = await store.claim(1, 30.0)
+        armed.set()
+        with pytest.raises(StoreError, match="connection"):  # its answer was lost
+            await store.release([job])
+        assert cut.is_set()
+        assert [(j.id, j.attempts) for j in reclaimed] == [(job_id, 1)]
+        assert await fetch(pg_cluster, pg_url, "SELECT state FROM jobs") == [("running",)]
+    finally:
+        await store.close()
+        proxy.close()
