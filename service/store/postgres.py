@@ -506,7 +506,11 @@ class PostgresStore:
             if isinstance(cause, asyncpg.UniqueViolationError) and not asked_again:
                 # Another instance stored one of these Idempotency-Keys since we
                 # looked (the statement failed whole): look again, then insert.
-                await self._commit_products(batch, asked_again=True)
+                # Not the writes answered meanwhile: a caller that gave up, or
+                # a write whose job could not be made, is not written again.
+                waiting = [write for write in batch if not write.future.done()]
+                if waiting:
+                    await self._commit_products(waiting, asked_again=True)
                 return
             bad_row = isinstance(cause, asyncpg.PostgresError) and not isinstance(
                 cause, _CONNECTION_ERRORS
@@ -587,7 +591,8 @@ class PostgresStore:
                 job = write.make_job(product)
                 payload = json.dumps(job.payload)
             except Exception as exc:  # this write alone fails; nothing of it is stored
-                write.future.set_exception(exc)
+                if not write.future.done():  # the caller may have gone (cancelled)
+                    write.future.set_exception(exc)
                 continue
             rows.append((write, product, job_id, job, payload))
         if not rows:

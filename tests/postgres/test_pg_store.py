@@ -453,6 +453,50 @@ async def test_an_idempotency_key_stored_by_another_host_meanwhile_is_answered(
     assert hosts[0].write_error is None
 
 
+async def test_a_key_stored_meanwhile_leaves_the_rest_of_its_batch_as_it_was(
+    hosts: list[PostgresStore], pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    # The same race, with more in the batch that waits on the unique index:
+    # a write whose job cannot be made (answered already, with its error),
+    # a caller that gives up meanwhile, and a plain write. Looking again
+    # must not write the first two a second time, and the third is stored.
+    def broken_job(product: Product) -> NewJob:
+        raise ValueError("no job for this product")
+
+    other = await pg_cluster.connect(pg_url.rsplit("/", 1)[1])
+    try:
+        tx = other.transaction()
+        await tx.start()
+        other_id = await other.fetchval(
+            "INSERT INTO products (nama, harga, created_at, idempotency_key)"
+            " VALUES ('Kopi', 1, 0, 'order-9') RETURNING id"
+        )
+        store = hosts[0]
+        keyed = asyncio.create_task(store.create_product("Kopi", 1, email_job, "order-9"))
+        broken = asyncio.create_task(store.create_product("Teh", 2, broken_job))
+        gone = asyncio.create_task(store.create_product("Gula", 3, email_job))
+        plain = asyncio.create_task(store.create_product("Susu", 4, email_job))
+        await waiting_on_a_lock(pg_cluster, pg_url, "INSERT INTO products")
+        gone.cancel()
+        await tx.commit()
+        product, job_id = await keyed
+        stored, stored_job_id = await plain
+    finally:
+        await other.close()
+    assert (product.id, job_id) == (other_id, None)
+    with pytest.raises(ValueError, match="no job for this product"):
+        await broken
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert await fetch(pg_cluster, pg_url, "SELECT nama FROM products ORDER BY id") == [
+        ("Kopi",),
+        ("Susu",),
+    ]
+    assert await fetch(pg_cluster, pg_url, "SELECT id FROM jobs") == [(stored_job_id,)]
+    assert stored.nama == "Susu"
+    assert store.write_error is None
+
+
 async def waiting_on_a_lock(cluster: PostgresCluster, url: str, statement: str) -> None:
     async with asyncio.timeout(10):
         while True:
