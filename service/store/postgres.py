@@ -193,6 +193,22 @@ class _Lane:
                 await self.release(pool)
                 raise
 
+    async def close(self, pool: asyncpg.Pool) -> None:
+        """Give the connection back, or drop it if a call is still on it.
+
+        Such a call is one that stop gave up waiting for, say an ack behind a
+        locked table. Given back busy, asyncpg cancels it on the server, and
+        the job whose email went out runs again after its lease. Dropped,
+        the server still commits it once the lock goes, as after a kill.
+        """
+        if self._lock.locked() and self._conn is not None:
+            conn, self._conn = self._conn, None
+            conn.terminate()
+            with contextlib.suppress(*_DB_ERRORS):
+                await pool.release(conn, timeout=COMMAND_TIMEOUT)
+        else:
+            await self.release(pool)
+
     async def release(self, pool: asyncpg.Pool) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -356,7 +372,7 @@ class PostgresStore:
         if self._pool is not None:
             pool, self._pool = self._pool, None
             for lane in (self._claims, self._acks, self._enqueues, self._product_writes):
-                await lane.release(pool)
+                await lane.close(pool)
             await pool.close()
 
     @property

@@ -609,3 +609,42 @@ async def test_a_release_whose_answer_was_lost_is_not_made_again_over_a_new_clai
     finally:
         await store.close()
         proxy.close()
+
+
+async def test_close_drops_rather_than_cancels_an_ack_still_on_its_connection(
+    pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    # At a stop behind a locked jobs table, stop gives up waiting for an ack
+    # and the store closes. Handing its connection back to the pool made
+    # asyncpg cancel the ack on the server: the job stayed running, and its
+    # email went out again after the lease. Dropped, as a killed process
+    # drops it, the connection leaves the server to commit the ack.
+    store = PostgresStore(pg_url, password=pg_cluster.password)
+    await store.open()
+    await store.enqueue(NewJob("k", {}, 3))
+    await store.enqueue(NewJob("k", {}, 3))
+    [first, job] = await store.claim(2, 30.0)
+    # The acks connection has its statement prepared, as in a service that
+    # has run for a while (a statement not yet parsed waits on the lock in
+    # its parse and is lost with its connection, as after a kill).
+    await store.complete([first])
+    locker = await pg_cluster.connect(pg_url.rsplit("/", 1)[1])
+    try:
+        tx = locker.transaction()
+        await tx.start()
+        await locker.execute("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE")
+        ack = asyncio.create_task(store.complete([job]))
+        await waiting_on_a_lock(pg_cluster, pg_url, "UPDATE jobs SET state = 'done'")
+        async with asyncio.timeout(postgres.CLOSE_SECONDS):
+            await store.close()
+        await tx.rollback()
+        # The lock goes to the ack, which waited for it first: taken again,
+        # it is granted only once the ack's transaction has ended.
+        async with asyncio.timeout(5), locker.transaction():
+            await locker.execute("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE")
+    finally:
+        await locker.close()
+    with pytest.raises(StoreError):  # its answer is lost with the connection
+        await ack
+    sql = "SELECT state FROM jobs WHERE id = $1"
+    assert await fetch(pg_cluster, pg_url, sql, job.id) == [("done",)]
