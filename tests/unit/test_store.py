@@ -171,9 +171,14 @@ async def test_refused_writes_leave_nothing_of_theirs_alive(tmp_path: Path) -> N
     writer = GroupCommitWriter(lambda: connect(path), verify)
     writer.start()
     try:
+        # The write whose commit found the file gone: the refusal kept for good
+        # must not hold it (its traceback reached into the batch's frames).
+        first = _Arg()
+        watched = [weakref.ref(first)]
         with pytest.raises(sqlite3.OperationalError):
-            await writer.run(_ignore_args, _Arg())
-        refusals, watched = [], []
+            await writer.run(_ignore_args, first)
+        del first
+        refusals = []
         for _ in range(20):  # each refused a file gone, as every POST is until a restart
             arg = _Arg()
             watched.append(weakref.ref(arg))
@@ -189,7 +194,7 @@ async def test_refused_writes_leave_nothing_of_theirs_alive(tmp_path: Path) -> N
     # Before, they shared one exception, whose traceback grew by each raise and
     # kept each refused write's frames, arguments included, alive for good.
     assert len(set(refusals)) == 1, refusals
-    assert [ref() for ref in watched] == [None] * 20
+    assert [ref() for ref in watched] == [None] * 21
 
 
 def _table_t(path: str) -> None:
