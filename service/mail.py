@@ -292,6 +292,11 @@ class SmtpMailer:
             except aiosmtplib.SMTPResponseException as exc:
                 if exc.code != SERVER_CLOSING:
                     raise
+            except aiosmtplib.SMTPRecipientsRefused as exc:
+                # A 421 may answer RCPT TO as well (Postfix past its error
+                # limit): it is about the connection, not the recipient.
+                if all(r.code != SERVER_CLOSING for r in exc.recipients):
+                    raise
             except ConnectionError:
                 pass
             # The server closed it as it sat idle (its timeout, its limit of

@@ -11,6 +11,7 @@ Usage::
         smtp.refuse_recipient("x@toko.test")   # RCPT TO:<x@toko.test> gets 550
         smtp.defer_recipient("x@toko.test", 2) # its next 2 RCPT TOs get 450 (4xx)
         smtp.limit_per_connection(2)           # MAIL FROM after 2 messages: 421, closed
+        smtp.limit_per_connection(2, at="RCPT")  # ... or RCPT TO after 2 messages
         smtp.drop_connections()                # close every open connection now
         smtp.reset()                           # back to: deliver at once
         await smtp.async_wait_delivered(10, timeout=30)   # 10 distinct Message-IDs
@@ -73,6 +74,11 @@ REFUSE_RCPT_REPLY = "550 5.1.1 Recipient refused by the test"
 DEFER_RCPT_REPLY = "450 4.2.1 Mailbox busy, try again later (the test)"
 # As Exim answers past smtp_accept_max_per_connection.
 TOO_MANY_REPLY = "421 4.7.0 Too many messages on this connection (the test)"
+# As Postfix answers past smtpd_hard_error_limit, to whichever command comes next.
+TOO_MANY_ERRORS_REPLY = "421 4.7.0 Error: too many errors (the test)"
+
+# The command a connection's limit of messages is enforced at.
+LimitAt = Literal["MAIL", "RCPT"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,7 @@ class _Behaviour:
     refuse_rcpt: list[str] = field(default_factory=list)
     defer_rcpt: Counter[str] = field(default_factory=Counter)  # address -> RCPTs left to defer
     per_connection: int | None = None  # messages a connection may carry
+    per_connection_at: LimitAt = "MAIL"  # the command that says it has carried them
 
 
 class _Handler:
@@ -214,12 +221,21 @@ class _Connection(_OneWriteReplies):
         super().connection_lost(error)
 
     async def smtp_MAIL(self, arg: str) -> None:
-        if self.owner._too_many(self.delivered):
-            await self.push(TOO_MANY_REPLY)
-            assert self.transport is not None
-            self.transport.close()
+        if self.owner._too_many(self.delivered, "MAIL"):
+            await self._close_with(TOO_MANY_REPLY)
             return
         await super().smtp_MAIL(arg)
+
+    async def smtp_RCPT(self, arg: str) -> None:
+        if self.owner._too_many(self.delivered, "RCPT"):
+            await self._close_with(TOO_MANY_ERRORS_REPLY)
+            return
+        await super().smtp_RCPT(arg)
+
+    async def _close_with(self, reply: str) -> None:
+        await self.push(reply)
+        assert self.transport is not None
+        self.transport.close()
 
     async def smtp_QUIT(self, arg: str) -> None:
         self.owner.quits.append(self.number)
@@ -359,10 +375,12 @@ class SmtpServer:
         with self._lock:
             self._behaviour.defer_rcpt[address] = times
 
-    def limit_per_connection(self, count: int) -> None:
-        """Answer MAIL FROM with 421 and close, on a connection that carried ``count``."""
+    def limit_per_connection(self, count: int, at: LimitAt = "MAIL") -> None:
+        """Answer MAIL FROM (or RCPT TO, ``at``) with 421 and close, on a
+        connection that carried ``count``."""
         with self._lock:
             self._behaviour.per_connection = count
+            self._behaviour.per_connection_at = at
 
     def drop_connections(self) -> None:
         """Close every open connection now, as a server's idle timeout does."""
@@ -429,10 +447,11 @@ class SmtpServer:
     def _lost(self, connection: _Connection) -> None:
         self._open.discard(connection)
 
-    def _too_many(self, delivered: int) -> bool:
+    def _too_many(self, delivered: int, command: LimitAt) -> bool:
         with self._lock:
             limit = self._behaviour.per_connection
-        return limit is not None and delivered >= limit
+            at = self._behaviour.per_connection_at
+        return limit is not None and at == command and delivered >= limit
 
     def _recipient_reply(self, address: str) -> str | None:
         """The refusal for ``RCPT TO:<address>``, or None to accept it."""

@@ -262,6 +262,18 @@ async def test_a_servers_limit_of_emails_per_connection_spends_no_attempt(
     assert len(smtp.delivered_ids()) == 5
 
 
+async def test_a_kept_connection_closed_with_a_421_to_rcpt_spends_no_attempt(
+    smtp: SmtpServer, mailer: SmtpMailer
+) -> None:
+    # Postfix past its error limit answers whichever command comes next with
+    # 421 and closes: a RCPT TO too. That says nothing about the recipient.
+    smtp.limit_per_connection(1, at="RCPT")
+    for job_id in range(1, 4):
+        await mailer.send(product_email(job_id))
+    assert connections_used(smtp) == [1, 2, 3]
+    assert len(smtp.delivered_ids()) == 3
+
+
 async def test_a_connection_is_let_go_after_a_failed_email(
     smtp: SmtpServer, mailer: SmtpMailer
 ) -> None:
