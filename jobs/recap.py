@@ -35,9 +35,16 @@ CATCH_UP_DAYS = 7
 
 def parse_period(text: str) -> date:
     try:
-        return date.fromisoformat(text)
+        day = date.fromisoformat(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a date like 2026-11-28: {text!r}") from None
+    try:
+        # The first and last days datetime can name have no day after them
+        # or no local midnight before them: refused here, not a traceback later.
+        period_bounds(day)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"out of range: {text!r}") from None
+    return day
 
 
 def require_ended(day: date, today: date) -> None:

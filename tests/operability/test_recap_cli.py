@@ -68,6 +68,22 @@ async def test_recap_refuses_a_day_that_has_not_ended(tmp_path: Path) -> None:
     assert db.query(database, "SELECT * FROM recaps") == []
 
 
+async def test_a_period_at_the_ends_of_the_calendar_is_a_usage_error(tmp_path: Path) -> None:
+    # The first day has no local midnight before it to start from, the last
+    # no day after it to end at: both ended in a traceback.
+    database = tmp_path / "toko.db"
+    await new_database(database)
+    env = {"TOKO_DATABASE": str(database), "TZ": "UTC"}
+    for day in ("0001-01-01", "9999-12-31"):
+        result = await run("toko-recap", "--period", day, env=env)
+        assert result.returncode == 2, result
+        assert result.stderr.splitlines()[-1] == (
+            f"toko-recap: error: argument --period: out of range: '{day}'"
+        ), result.stderr
+        assert "Traceback" not in result.stderr
+    assert db.query(database, "SELECT * FROM recaps") == []
+
+
 async def test_recap_catches_up_the_days_since_the_last_one_recorded(tmp_path: Path) -> None:
     database = tmp_path / "toko.db"
     await new_database(database)
