@@ -230,6 +230,12 @@ async def test_usage_errors_and_env_file(tmp_path: Path) -> None:
 
     bad_age = await run("toko-queue", "purge", "--done-older-than", "7x")
     assert bad_age.returncode == 2 and "7x" in bad_age.stderr
+    # Its cutoff would be before year 1: a traceback (date out of range) it was.
+    too_old = await run("toko-queue", "purge", "--done-older-than", "99999999999999999999d")
+    assert too_old.returncode == 2 and "Traceback" not in too_old.stderr, too_old
+    assert too_old.stderr.splitlines()[-1].endswith(
+        "'99999999999999999999d' must be a duration of at most 36500d (a century)"
+    ), too_old.stderr
     for command in ("show", "retry"):
         huge = await run("toko-queue", command, "99999999999999999999999")
         assert huge.returncode == 2 and "not a job id" in huge.stderr, huge
