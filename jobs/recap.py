@@ -23,7 +23,7 @@ from jobs.retention import prune_done_jobs
 from service.settings import Settings
 from service.store import open_store
 from service.store.admin import QueueAdmin
-from service.store.base import Store, StoreError
+from service.store.base import SharedClock, Store, StoreError
 from service.tasks import recap_email_job
 
 log = logging.getLogger("toko.recap")
@@ -95,6 +95,30 @@ async def _days_due(store: Store, today: date) -> list[date]:
     return days
 
 
+async def _shared_today(store: Store, today: date) -> date:
+    """``today``, or the database server's today where that is earlier.
+
+    A host whose clock runs ahead (its timer firing "at 00:10" at 23:55, or
+    before NTP steps the clock back) would recap a day that is not over for
+    the other hosts: its partial figures kept for good, since the real run
+    finds the day recorded. On SQLite toko-api stamps products with this
+    host's clock too, so this host's day is the one to go by.
+    """
+    if not isinstance(store, SharedClock):
+        return today
+    shared = datetime.fromtimestamp(await store.database_time()).astimezone().date()
+    if shared >= today:
+        return today
+    log.warning(
+        "this host's date is %s but the database server's is %s: recapping only days"
+        " over there; keep the clocks in sync (NTP)",
+        today,
+        shared,
+        extra={"HOST_DATE": today.isoformat(), "DATABASE_DATE": shared.isoformat()},
+    )
+    return shared
+
+
 async def _record_day(store: Store, settings: Settings, day: date) -> int | None:
     start, end = period_bounds(day)
     total, new = await store.product_counts(start, end)
@@ -119,6 +143,9 @@ async def record(
     store = open_store(settings, application_name="toko-recap")
     await store.open()
     try:
+        today = await _shared_today(store, today)
+        if period:
+            require_ended(period, today)
         days = [period] if period else await _days_due(store, today)
         recorded = {day: await _record_day(store, settings, day) for day in days}
         # After the recaps, so a pruning problem never costs a period its recap.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from service.models import Job, NewJob, Product, QueueCounts, job_fields
 
@@ -224,3 +224,11 @@ class Store(Protocol):
 
     async def last_recap_before(self, period: str) -> str | None:
         """The latest recorded period earlier than ``period`` (ISO dates sort as text)."""
+
+
+@runtime_checkable
+class SharedClock(Protocol):
+    """A store shared by several hosts, whose database server has the one clock they share."""
+
+    async def database_time(self) -> float:
+        """The database server's clock, in seconds since the epoch."""

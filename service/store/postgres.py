@@ -1002,6 +1002,14 @@ class PostgresStore:
 
         return await self._db(run, write=True)
 
+    async def database_time(self) -> float:
+        """The database server's clock (SharedClock): a recap's day is over when it says so."""
+        row = await self._fetchrow(
+            "SELECT extract(epoch FROM clock_timestamp())::float8", retry=True
+        )
+        assert row is not None
+        return float(row[0])
+
     async def last_recap_before(self, period: str) -> str | None:
         """The latest recorded period earlier than ``period`` (ISO dates sort as text)."""
         row = await self._fetchrow(

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import UTC, datetime, time, timedelta
+from datetime import UTC, date, datetime, time, timedelta
 from pathlib import Path
+from unittest.mock import ANY
 
+import pytest
+
+from jobs import recap
+from jobs.common import JobFailed
 from service.mail import message_id
 from service.models import Product
+from service.settings import Settings
 from service.store.postgres import PostgresStore
 from service.tasks import product_email_job
 from tests.conftest import ServiceFactory
@@ -97,3 +103,31 @@ async def test_three_hosts_one_recap_row_one_email(
     for api in apis:
         assert await api.async_wait_exit(timeout=30) == 0
     assert len([m for m in smtp.delivered() if "Rekap produk" in m.subject]) == 1
+
+
+async def _local_today() -> date:
+    """Today here, far enough from midnight for the test's runs to see the same day."""
+    now = datetime.now().astimezone()
+    midnight = datetime.combine(now.date() + timedelta(days=1), time(), now.tzinfo)
+    if midnight - now < timedelta(seconds=20):
+        await asyncio.sleep((midnight - now).total_seconds() + 0.5)
+    return datetime.now().astimezone().date()
+
+
+async def test_a_host_whose_clock_runs_ahead_recaps_no_day_that_is_not_over(
+    pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    # A host a day ahead (or 15 minutes ahead at 23:55, its timer firing
+    # "at 00:10"): its today is not the database server's. Recording today's
+    # figures now would keep them partial for good: the real run on the next
+    # day finds the day recorded, and today's later products are in no recap.
+    today = await _local_today()
+    settings = Settings(database=pg_url, database_password=pg_cluster.password)
+    yesterday = today - timedelta(days=1)
+    assert await recap.record(settings, None, today) == {yesterday: ANY}
+    ahead = today + timedelta(days=1)
+    assert await recap.record(settings, None, ahead) == {yesterday: None}
+    with pytest.raises(JobFailed, match=f"{today} has not ended yet"):
+        await recap.record(settings, today, ahead)
+    periods = await fetch(pg_cluster, pg_url, "SELECT period FROM recaps")
+    assert periods == [(yesterday.isoformat(),)]
