@@ -72,6 +72,7 @@ CLOSE_SECONDS = 5.0
 # a clock this far from the database server's is worth a warning. Trouble
 # (a job run twice at once) starts once it nears the lease, 30 s or more.
 CLOCK_SKEW_WARN_SECONDS = 5.0
+SERVER_TIME_SQL = "SELECT extract(epoch FROM clock_timestamp())::float8"
 # How long open() waits for an unreachable server (below TimeoutStartSec=60s).
 OPEN_RETRY_SECONDS = 20.0
 # Connection failures: the server is down or gone, not a bad statement.
@@ -946,9 +947,7 @@ class PostgresStore:
         """Warn when this host's clock strays from the database server's, and
         say when it is back: every host compares leases with its own clock."""
         before = self._clock()
-        server = await conn.fetchval(
-            "SELECT extract(epoch FROM clock_timestamp())::float8", timeout=COMMAND_TIMEOUT
-        )
+        server = await conn.fetchval(SERVER_TIME_SQL, timeout=COMMAND_TIMEOUT)
         skew = (before + self._clock()) / 2 - server
         skewed = abs(skew) > CLOCK_SKEW_WARN_SECONDS
         if skewed and not self._clock_skewed:
@@ -1004,9 +1003,7 @@ class PostgresStore:
 
     async def database_time(self) -> float:
         """The database server's clock (SharedClock): a recap's day is over when it says so."""
-        row = await self._fetchrow(
-            "SELECT extract(epoch FROM clock_timestamp())::float8", retry=True
-        )
+        row = await self._fetchrow(SERVER_TIME_SQL, retry=True)
         assert row is not None
         return float(row[0])
 
