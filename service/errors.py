@@ -18,6 +18,9 @@ log = logging.getLogger("toko.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Every request fails alike while the store is down: log a sample, not each.
 _STORE_FAILURES = Throttle()
+# What of the client's own input an error message repeats: a request line
+# may be 8 KB, and a message that long is not read.
+ECHO_MAX = 100
 
 
 def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -28,12 +31,20 @@ def body_too_large(limit: int) -> str:
     return f"request body too large; the limit is {limit} bytes"
 
 
+def shortened(text: str) -> str:
+    """``text`` as an error message repeats it: whole when short, else its start."""
+    if len(text) <= ECHO_MAX:
+        return text
+    return f"{text[: ECHO_MAX // 2]}... ({len(text)} characters)"
+
+
 def _http_error_message(request: web.Request, exc: web.HTTPException) -> str:
     if isinstance(exc, web.HTTPNotFound):
-        return f"not found: {request.path}"
+        return f"not found: {shortened(request.path)}"
     if isinstance(exc, web.HTTPMethodNotAllowed):
         allowed = ", ".join(sorted(exc.allowed_methods))
-        return f"method {request.method} is not allowed on {request.path}; allowed: {allowed}"
+        path = shortened(request.path)
+        return f"method {request.method} is not allowed on {path}; allowed: {allowed}"
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return body_too_large(request.app[SETTINGS].max_body_bytes)
     return exc.reason

@@ -239,6 +239,32 @@ CASES = [
         path=f"/produk/{ZEROS}7",
         says="no product with id 7",
     ),
+    # Answered from aiohttp's router; the path is not echoed whole (a request
+    # line may be 8 KB).
+    Case(
+        "4000-char-unknown-path",
+        404,
+        None,
+        method="GET",
+        path="/" + "a" * 4000,
+        says="not found: /aaaa",
+    ),
+    Case(
+        "5000-digit-id-trailing-slash",
+        404,
+        None,
+        method="GET",
+        path=f"/produk/{DIGITS}/",
+        says="not found: /produk/1111",
+    ),
+    Case(
+        "wrong-method-on-5000-digit-id",
+        405,
+        None,
+        method="PUT",
+        path=f"/produk/{DIGITS}",
+        says="method PUT is not allowed on /produk/1111",
+    ),
     # Pagination.
     Case("limit-zero", 400, None, method="GET", path="/produk?limit=0"),
     Case("limit-too-big", 400, None, method="GET", path="/produk?limit=201"),
