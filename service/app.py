@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from aiohttp import hdrs, web
 
 from service.auth import bearer_auth
-from service.errors import json_errors
+from service.errors import json_errors, json_router_errors
 from service.health import HealthReads
 from service.keys import (
     HEALTH,
@@ -64,6 +64,7 @@ def create_app(settings: Settings, notifier: Notifier | None = None) -> web.Appl
     app[METRICS] = metrics
     app[HTTP_STATE] = HttpState()
     app.on_response_prepare.append(_close_connections_when_draining)
+    app.on_response_prepare.append(json_router_errors)
     app[NOTIFIER] = notifier or Notifier(None)
     app.add_routes(routes)
     app.cleanup_ctx.append(_store_ctx)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from service.keys import SETTINGS
@@ -18,7 +19,7 @@ log = logging.getLogger("toko.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Every request fails alike while the store is down: log a sample, not each.
 _STORE_FAILURES = Throttle()
-# What of the client's own input an error message repeats: a request line
+# What of the client's own input an error message repeats: a path or a header
 # may be 8 KB, and a message that long is not read.
 ECHO_MAX = 100
 
@@ -45,6 +46,9 @@ def _http_error_message(request: web.Request, exc: web.HTTPException) -> str:
         allowed = ", ".join(sorted(exc.allowed_methods))
         path = shortened(request.path)
         return f"method {request.method} is not allowed on {path}; allowed: {allowed}"
+    if isinstance(exc, web.HTTPExpectationFailed):
+        expect = shortened(request.headers.get(hdrs.EXPECT, ""))
+        return f"Expect: {expect} is not supported; send 'Expect: 100-continue' or none"
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return body_too_large(request.app[SETTINGS].max_body_bytes)
     return exc.reason
@@ -95,6 +99,23 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     except Exception:
         log.exception("unhandled error", extra={"PATH": request.path})
         return json_error(500, "internal error; it has been logged")
+
+
+async def json_router_errors(request: web.Request, response: web.StreamResponse) -> None:
+    """An on_response_prepare hook: aiohttp's own error answers, made JSON.
+
+    aiohttp checks the Expect header before any middleware runs, so its 417
+    for anything but 100-continue never reaches json_errors; every other
+    error raised as an HTTPException does, and arrives here as a plain
+    Response. (Requests aiohttp cannot parse at all have no app, and no hook.)
+    """
+    if not isinstance(response, web.HTTPException) or response.status < 400:
+        return
+    body = json.dumps({"error": _http_error_message(request, response)}).encode()
+    response.body = body
+    response.content_type = "application/json"
+    # aiohttp has set the length of the plain-text body by now.
+    response.headers[hdrs.CONTENT_LENGTH] = str(len(body))
 
 
 class ClientProtocolErrors(logging.Filter):

@@ -265,6 +265,33 @@ CASES = [
         path=f"/produk/{DIGITS}",
         says="method PUT is not allowed on /produk/1111",
     ),
+    # An expectation other than 100-continue: aiohttp refuses it before any
+    # middleware runs, on any path.
+    Case(
+        "expect-unknown",
+        417,
+        _body({"nama": "Kopi", "harga": 1}),
+        headers={**JSON, "Expect": "foo"},
+        says="Expect: foo",
+    ),
+    Case(
+        "expect-unknown-unknown-path",
+        417,
+        None,
+        method="GET",
+        path="/barang",
+        headers={"Expect": "100-continue, foo"},
+        says="Expect: 100-continue, foo",
+    ),
+    Case(
+        "expect-8000-chars",
+        417,
+        None,
+        method="GET",
+        path="/produk",
+        headers={"Expect": "e" * 8000},
+        says="Expect: eeee",
+    ),
     # Pagination.
     Case("limit-zero", 400, None, method="GET", path="/produk?limit=0"),
     Case("limit-too-big", 400, None, method="GET", path="/produk?limit=201"),
