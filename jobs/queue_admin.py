@@ -36,7 +36,7 @@ from service.models import JOB_STATES, iso_utc
 from service.settings import ConfigError, Settings
 from service.store import open_store
 from service.store.admin import QueueAdmin, Retryable
-from service.store.base import Store, StoreError, schema_log
+from service.store.base import LoginRefused, Store, StoreError, schema_log
 from service.validation import ID_MAX, ascii_int
 
 PROG = "toko-queue"
@@ -238,33 +238,38 @@ def _sqlite_file_problem(database: Path) -> str | None:
     return None
 
 
-def _store_hint(settings: Settings) -> str | None:
+def _store_hint(settings: Settings, exc: StoreError) -> str | None:
     if not settings.is_postgres:
         return f"run as the service user: sudo -u toko {PROG} ..."
-    if settings.database_password is None:
+    if settings.database_password is None and isinstance(exc, LoginRefused):
         return PG_HINT
-    # Which local user asks makes no difference to a password login: the
-    # error itself says what went wrong (a wrong password, no server).
+    # Which local user asks makes no difference to a password login, and a
+    # password does not bring a server up: the error itself says what went
+    # wrong (a wrong password, no server).
     return None
 
 
 @contextlib.contextmanager
-def schema_changes_on_stderr() -> Iterator[None]:
-    """Show the line the store logs when opening it migrates the schema.
+def store_lines_on_stderr() -> Iterator[None]:
+    """Show what the store logs while toko-queue uses it, as toko-queue's lines.
 
-    toko-queue sets up no logging (its output is its answer), and a toko-api
-    started afterwards finds nothing left to migrate: without this line, an
-    upgrade that toko-queue happened to apply would be told nowhere.
+    toko-queue sets up no logging (its output is its answer). Without a
+    handler Python printed the store's warnings bare ("database not
+    reachable yet, retrying" while the server is down), unlike every other
+    line of toko-queue's. The schema line is shown too: a toko-api started
+    afterwards finds nothing left to migrate, so without it an upgrade that
+    toko-queue happened to apply would be told nowhere.
     """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+    root = logging.getLogger()
     level = schema_log.level
-    schema_log.addHandler(handler)
+    root.addHandler(handler)
     schema_log.setLevel(logging.INFO)
     try:
         yield
     finally:
-        schema_log.removeHandler(handler)
+        root.removeHandler(handler)
         schema_log.setLevel(level)
 
 
@@ -282,13 +287,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: {problem}", file=sys.stderr)
             return 1
     try:
-        with schema_changes_on_stderr():
+        with store_lines_on_stderr():
             data, text = asyncio.run(run_command(settings, args))
     except CommandFailed as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
     except StoreError as exc:
-        hint = _store_hint(settings)
+        hint = _store_hint(settings, exc)
         suffix = f" ({hint})" if hint else ""
         print(f"{PROG}: {exc}{suffix}", file=sys.stderr)
         return 1

@@ -63,6 +63,11 @@ class StoreError(RuntimeError):
     """The store failed (disk, lock, corruption): our fault, never the client's."""
 
 
+class LoginRefused(StoreError):
+    """The database server refused our login: a wrong or missing password, or a
+    user it does not let in. Unlike an unreachable server, waiting cannot fix it."""
+
+
 class WriteHealth:
     """Whether the store can write, and why not.
 

@@ -45,6 +45,7 @@ from service.store.admin import RETRYABLE_WHERE, STATE_WHERE, JobDetails, QueueS
 from service.store.base import (
     ABANDONED_AGAIN_SQL,
     ABANDONED_ERROR,
+    LoginRefused,
     StoreError,
     WriteHealth,
     note_lost_claims,
@@ -321,7 +322,11 @@ class PostgresStore:
         except (*_DB_ERRORS, ValueError) as exc:
             # One line: asyncpg puts its HINT on a line of its own.
             why = " ".join(str(exc).split())
-            raise StoreError(f"cannot open database {redact(self.url)}: {why}") from exc
+            # A server asking for a password we do not have answers with
+            # InvalidPasswordError too (asyncpg then sends an empty one).
+            refused = isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError)
+            error = LoginRefused if refused else StoreError
+            raise error(f"cannot open database {redact(self.url)}: {why}") from exc
         self._writer = asyncio.create_task(self._write_loop(), name="toko-pg-writer")
 
     async def wait_broken(self) -> None:

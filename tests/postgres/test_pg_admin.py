@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +12,9 @@ from jobs import queue_admin
 from service.models import JobState, NewJob
 from service.store.admin import QueueAdmin
 from service.store.postgres import PURGE_DONE_SQL, PostgresStore, list_jobs_sql
+from tests.postgres.conftest import run_tool
 from tests.support.postgres import PostgresCluster, fetch
+from tests.support.service import free_port
 from tests.unit.conftest import FakeClock
 
 
@@ -157,3 +160,17 @@ def test_toko_queue_without_the_password_says_how_to_give_it(
     err = capsys.readouterr().err
     assert "password authentication failed" in err, err
     assert "sudo" not in err, err
+
+
+def test_toko_queue_on_a_server_that_is_down_says_so_in_its_own_lines(tmp_path: Path) -> None:
+    # No server on the port: while the store retries, its warnings came out
+    # bare, and the last line blamed the missing password (a password brings
+    # no server up). A real process: in pytest's, logging is set up already.
+    url = f"postgresql://toko@127.0.0.1:{free_port()}/toko"
+    result = run_tool("toko-queue", tmp_path, {"TOKO_DATABASE": url}, "--no-env-file", "stats")
+    assert result.returncode == 1, result
+    lines = result.stderr.splitlines()
+    assert any("database not reachable yet, retrying" in line for line in lines), lines
+    assert all(line.startswith("toko-queue: ") for line in lines), lines
+    assert lines[-1].startswith(f"toko-queue: cannot open database {url}: "), lines
+    assert "no database password" not in result.stderr, lines
