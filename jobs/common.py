@@ -25,6 +25,7 @@ class Stopped(BaseException):
 
     A BaseException, like KeyboardInterrupt: it passes ``except Exception``
     and runs the cleanups (``finally``, ``except BaseException``) on its way out.
+    Its message, if any, says what the job did before it stopped.
     """
 
 
@@ -88,8 +89,9 @@ def run_job(
         logging.getLogger(f"toko.{name}").error("%s failed: %s", name, exc)
         print(f"{name}: {exc}", file=sys.stderr)
         return 1
-    except Stopped:
+    except Stopped as exc:
         # Non-zero, so systemd counts the run as failed (and OnFailure= alerts).
-        logging.getLogger(f"toko.{name}").error("%s stopped by SIGTERM before it finished", name)
-        print(f"{name}: stopped by SIGTERM before it finished", file=sys.stderr)
+        line = "stopped by SIGTERM before it finished" + (f"; {exc}" if str(exc) else "")
+        logging.getLogger(f"toko.{name}").error("%s %s", name, line)
+        print(f"{name}: {line}", file=sys.stderr)
         return 128 + signal.SIGTERM

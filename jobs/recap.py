@@ -7,18 +7,22 @@ and a run whose random delay pushes it past midnight must not skip a day.
 The recap row is keyed by period, so a second run for the same period (a
 re-run, a catch-up, another host) changes nothing and says so. Each run then
 prunes done jobs older than TOKO_JOB_RETENTION (jobs.retention), so the daily
-timer bounds the database.
+timer bounds the database. A stop (SIGTERM) ends a run between days: the
+day under way commits, the next run records the rest.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import signal
 import time
+from collections.abc import Iterator
 from datetime import date, datetime, timedelta
 
-from jobs.common import JobFailed, require_database, run_job
+from jobs.common import JobFailed, Stopped, require_database, run_job, stop_on_sigterm
 from jobs.retention import prune_done_jobs
 from service.settings import Settings
 from service.store import open_store
@@ -132,33 +136,101 @@ async def _record_day(store: Store, settings: Settings, day: date) -> int | None
     return job_id
 
 
+class _StopBetweenDays:
+    """SIGTERM during a run (systemctl stop, the unit's TimeoutStartSec=, a shutdown).
+
+    Its default action ended the run on the spot, and nothing said which days
+    were recorded. A day's recap is one transaction: the one under way
+    commits, then the run ends. Anything else (waiting for the database,
+    reading, pruning in chunks that each commit) is cut short at once.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._recording = False
+        self._task = asyncio.current_task()
+
+    @contextlib.contextmanager
+    def handling_sigterm(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        previous = signal.getsignal(signal.SIGTERM)
+        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
+        try:
+            yield
+        finally:
+            # remove_signal_handler() leaves SIGTERM's default: ending on the spot.
+            loop.remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, previous)
+
+    def _on_sigterm(self) -> None:
+        if self.requested:
+            return  # a second SIGTERM must not cut the store's close short
+        self.requested = True
+        if not self._recording and self._task is not None:
+            self._task.cancel()
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+
+def _what_was_done(days: list[date] | None, recorded: dict[date, int | None]) -> str:
+    """The end of the line a stopped run logs: which days it recorded, which not."""
+    if days is None:
+        return "nothing recorded"
+    done = ", ".join(day.isoformat() for day in recorded) or "nothing"
+    left = [day.isoformat() for day in days if day not in recorded]
+    if left:
+        return f"recorded: {done}; not recorded: {', '.join(left)}"
+    return f"recorded: {done}; pruning of done jobs left to the next run"
+
+
 async def record(
     settings: Settings, period: date | None, today: date, now: float | None = None
 ) -> dict[date, int | None]:
     """Record ``period``'s recap, or else each day due (days_to_recap), once each.
 
     Then prune done jobs older than the retention. Returns each day's email
-    job id, None where the day was recorded already.
+    job id, None where the day was recorded already. A SIGTERM raises
+    Stopped, saying which days were recorded (see _StopBetweenDays).
     """
-    store = open_store(settings, application_name="toko-recap")
-    await store.open()
-    try:
-        today = await _shared_today(store, today)
-        if period:
-            require_ended(period, today)
-        days = [period] if period else await _days_due(store, today)
-        recorded = {day: await _record_day(store, settings, day) for day in days}
-        # After the recaps, so a pruning problem never costs a period its recap.
-        if isinstance(store, QueueAdmin):
-            await prune_done_jobs(store, settings.job_retention, now or time.time())
-        else:
-            log.warning("this store cannot prune done jobs; TOKO_JOB_RETENTION is ignored")
-    finally:
-        await store.close()
+    stop = _StopBetweenDays()
+    days: list[date] | None = None
+    recorded: dict[date, int | None] = {}
+    with stop.handling_sigterm():
+        try:
+            store = open_store(settings, application_name="toko-recap")
+            await store.open()
+            try:
+                today = await _shared_today(store, today)
+                if period:
+                    require_ended(period, today)
+                days = [period] if period else await _days_due(store, today)
+                for day in days:
+                    with stop.recording():
+                        recorded[day] = await _record_day(store, settings, day)
+                    if stop.requested:
+                        raise Stopped(_what_was_done(days, recorded))
+                # After the recaps, so a pruning problem never costs a period its recap.
+                if isinstance(store, QueueAdmin):
+                    await prune_done_jobs(store, settings.job_retention, now or time.time())
+                else:
+                    log.warning("this store cannot prune done jobs; TOKO_JOB_RETENTION is ignored")
+            finally:
+                await store.close()
+        except asyncio.CancelledError:
+            if not stop.requested:
+                raise
+            raise Stopped(_what_was_done(days, recorded)) from None
     return recorded
 
 
 def _main(args: argparse.Namespace, settings: Settings) -> int:
+    stop_on_sigterm()  # until record() handles SIGTERM on its event loop
     today = datetime.now().astimezone().date()
     if args.period:
         require_ended(args.period, today)
