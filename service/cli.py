@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         log.critical("cannot start: %s", exc)
         print(
-            f"toko-api: cannot listen on {settings.listen_host}:{settings.listen_port}: {exc}",
+            f"toko-api: cannot listen on {settings.listen_host}:{settings.listen_port} "
+            f"(TOKO_LISTEN): {exc}",
             file=sys.stderr,
         )
         return 1

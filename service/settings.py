@@ -110,6 +110,7 @@ class Settings:
         state_dir = environ.get("STATE_DIRECTORY", "").split(":")[0]
         default_db = str(Path(state_dir) / "toko.db") if state_dir else "var/toko.db"
         database = env.get("TOKO_DATABASE", _parse_database, default_db)
+        _check_database_url(database)
         # Backups live beside a SQLite file; a PostgreSQL host keeps its dumps locally.
         if database.startswith(("postgresql://", "postgres://")):
             default_backups = str(Path(state_dir) / "backups") if state_dir else "var/backups"
@@ -191,13 +192,69 @@ def _parse_listen(raw: str) -> tuple[str, int]:
     port = ascii_int(port_text, 1, 65535)
     if not sep or not host or port is None:
         raise ValueError("must be host:port with a port from 1 to 65535")
+    if not _is_host(host):
+        # A space, a line break or 100 KB of host failed only at bind, in a
+        # line that named neither the variable nor, readably, the host.
+        raise ValueError("must name a host name or an IP address to listen on")
     return host, port
 
 
+# Linux's PATH_MAX and NAME_MAX, in bytes.
+_PATH_MAX = 4096
+_NAME_MAX = 255
+
+
 def _parse_database(raw: str) -> str:
-    if "://" in raw and not raw.startswith(("postgresql://", "postgres://")):
-        raise ValueError("must be a SQLite file path or a postgresql:// URL")
+    if "://" in raw:
+        return raw  # _check_database_url, which echoes no password
+    if not _is_usable_path(raw):
+        # No file can have such a path: toko-api said so only when opening
+        # it, and toko-recap and toko-queue ended in a traceback.
+        raise ValueError(
+            f"must be a file path shorter than {_PATH_MAX} bytes, with no name in it "
+            f"over {_NAME_MAX} bytes and no NUL character"
+        )
     return raw
+
+
+def _is_usable_path(path: str) -> bool:
+    try:
+        encoded = os.fsencode(path)
+    except UnicodeEncodeError:  # a lone surrogate that no file name can hold
+        return False
+    names = encoded.split(b"/")
+    return b"\0" not in encoded and len(encoded) < _PATH_MAX and max(map(len, names)) <= _NAME_MAX
+
+
+def _check_database_url(database: str) -> None:
+    """Refuse a URL that is no postgresql:// one, or whose hosts and ports asyncpg
+    cannot take, without echoing it: it may hold a password.
+
+    A malformed one ended toko-api in a traceback ("Invalid IPv6 URL" from
+    urlsplit, OverflowError from getaddrinfo for a port of 20 digits); an out
+    of range port was looked up as a service name ("Name or service not
+    known").
+    """
+    scheme, separator, _ = database.partition("://")
+    if not separator:
+        return
+    if scheme not in {"postgresql", "postgres"}:
+        raise ConfigError(
+            "TOKO_DATABASE must be a SQLite file path or a postgresql:// URL, "
+            f"got a URL starting {_shown(scheme + separator)}"
+        )
+    try:
+        netloc = urlsplit(database).netloc
+        # Several hosts, comma separated, are asyncpg's way to list fallbacks.
+        ports = [urlsplit(f"//{host}").port for host in netloc.rpartition("@")[2].split(",")]
+    except ValueError:
+        ports = [0]
+    if 0 in ports:
+        raise ConfigError(
+            "TOKO_DATABASE must look like postgresql://[user@]host[:port]/database with a "
+            "port from 1 to 65535, and an IPv6 address in brackets like "
+            "postgresql://toko@[::1]:5432/toko"
+        )
 
 
 def _parse_email(raw: str) -> str:
@@ -295,12 +352,12 @@ def _smtp_from_env(environ: Mapping[str, str]) -> SmtpTarget | None:
     if parts.scheme not in {"smtp", "smtps"} or not host or port in (-1, 0):
         raise ConfigError(
             f"TOKO_SMTP_URL must look like smtp://[user@]host[:port] with a port from 1 "
-            f"to 65535, got {_shown(raw)}"
+            f"to 65535, got {_shown(_without_userinfo(raw))}"
         )
     if not _is_host(host):
         raise ConfigError(
             "TOKO_SMTP_URL must name the mail server by a host name (letters, digits, "
-            f"'-', '_' and dots) or an IP address, got {_shown(raw)}"
+            f"'-', '_' and dots) or an IP address, got {_shown(_without_userinfo(raw))}"
         )
     use_tls = parts.scheme == "smtps"
     return SmtpTarget(
@@ -310,6 +367,17 @@ def _smtp_from_env(environ: Mapping[str, str]) -> SmtpTarget | None:
         password=_smtp_password(environ),
         use_tls=use_tls,
     )
+
+
+def _without_userinfo(url: str) -> str:
+    """``url`` with what comes before its last "@" cut, for a message.
+
+    A URL urlsplit cannot read (a typo in the scheme: "smtp:/u:pw@host",
+    "smt%p://u:pw@host") has no password to it, so the check for one passed
+    it, and the message echoed the password whole.
+    """
+    _, at, after = url.rpartition("@")
+    return f"...@{after}" if at else url
 
 
 def check_for_api(settings: Settings) -> None:
@@ -391,27 +459,72 @@ def _secret_file(environ: Mapping[str, str], file_variable: str, credential: str
         candidates.append((file_variable, Path(environ[file_variable])))
     if environ.get("CREDENTIALS_DIRECTORY"):
         path = Path(environ["CREDENTIALS_DIRECTORY"]) / credential
-        if path.exists():
+        if _may_exist(path):
             candidates.append((f"CREDENTIALS_DIRECTORY/{credential}", path))
     for name, path in candidates:
         try:
-            return path.read_text(encoding="utf-8").strip()
+            return _read_secret(path).decode("utf-8").strip()
         except OSError as exc:
-            raise ConfigError(f"{name}: cannot read {path}: {exc.strerror}") from None
+            raise ConfigError(f"{name}: cannot read {_path_shown(path)}: {exc.strerror}") from None
         except UnicodeDecodeError as exc:
             # Say where, not what: the bytes are (part of) a secret.
             raise ConfigError(
-                f"{name}: {path} is not UTF-8 text (byte {exc.start}); save the secret as UTF-8"
+                f"{name}: {_path_shown(path)} is not UTF-8 text (byte {exc.start}); "
+                "save the secret as UTF-8"
             ) from None
+        except _SecretTooLong:
+            raise ConfigError(
+                f"{name}: {_path_shown(path)} is longer than a secret can be "
+                f"({_SECRET_MAX_BYTES} bytes); name the file that holds the secret"
+            ) from None
+        except ValueError:
+            # A NUL in the path: only an env file (toko-queue --env-file) can carry one.
+            raise ConfigError(f"{name}: {_path_shown(path)} is not a file path") from None
     return None
+
+
+# Far more than any password or token; /dev/zero or /dev/urandom named by
+# mistake was read until memory ran out, start-up hanging meanwhile.
+_SECRET_MAX_BYTES = 64 * 1024
+
+
+class _SecretTooLong(Exception):
+    pass
+
+
+def _read_secret(path: Path) -> bytes:
+    with path.open("rb") as file:
+        data = file.read(_SECRET_MAX_BYTES + 1)
+    if len(data) > _SECRET_MAX_BYTES:
+        raise _SecretTooLong
+    return data
+
+
+def _may_exist(path: Path) -> bool:
+    """``path.exists()``, except that a path no file can have (too long, say) is
+    taken as present, so that reading it says what is wrong, not a traceback."""
+    try:
+        return path.exists()
+    except OSError:
+        return True
+
+
+def _path_shown(path: Path) -> str:
+    """``path`` as it is when plain, quoted and cut short when it holds a line
+    break or other control character or is long, so the message stays one line."""
+    text = str(path)
+    if text.isprintable() and len(text) <= 100:
+        return text
+    return _shown(text)
 
 
 def _watchdog_interval(environ: Mapping[str, str]) -> float | None:
     """Half of WATCHDOG_USEC, as sd_watchdog_enabled(3) advises, when it is meant for us."""
-    usec = environ.get("WATCHDOG_USEC", "")
-    if not usec.isdigit() or int(usec) == 0:
+    # ascii_int, not int(): isdigit() passes "²", which int() refuses with a traceback.
+    usec = ascii_int(environ.get("WATCHDOG_USEC", ""), 1, 2**64 - 1)
+    if usec is None:
         return None
     pid = environ.get("WATCHDOG_PID", "")
     if pid and pid != str(os.getpid()):
         return None
-    return int(usec) / 1_000_000 / 2
+    return usec / 1_000_000 / 2

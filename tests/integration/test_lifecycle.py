@@ -484,6 +484,7 @@ async def test_watchdog_only_while_every_worker_is_alive(service_factory: Servic
 
 
 BAD_CONFIG = [
+    ("TOKO_DATABASE", "postgresql://toko@[::1/toko"),  # was a traceback from urlsplit
     ("TOKO_WORKERS", "abc"),
     ("TOKO_WORKERS", "0"),
     ("TOKO_LISTEN", "nonsense"),

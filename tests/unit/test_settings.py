@@ -78,6 +78,20 @@ def test_state_directory_holds_the_database_and_backups() -> None:
         ("TOKO_SMTP_URL", "smtp://user:secret@[::1"),
         ("TOKO_BACKUP_KEEP", "0"),
         ("TOKO_FAULT_INJECTION", "maybe"),
+        # Tracebacks in toko-api: urlsplit's "Invalid IPv6 URL", getaddrinfo's OverflowError.
+        ("TOKO_DATABASE", "postgresql://toko:secret@[::1/toko"),
+        ("TOKO_DATABASE", "postgresql://db.example:" + "9" * 20 + "/toko"),
+        ("TOKO_DATABASE", "postgresql://db.example:0/toko"),
+        ("TOKO_DATABASE", "postgres ql://toko:secret@db.example/toko"),
+        # No file can have these paths; toko-recap and toko-queue ended in a traceback.
+        ("TOKO_DATABASE", "var/" + "t" * 256 + ".db"),
+        ("TOKO_DATABASE", "var/toko" * 600),
+        # urlsplit reads no password here, so the message echoed it.
+        ("TOKO_SMTP_URL", "smtp:/user:secret@mail:25"),
+        ("TOKO_SMTP_URL", "smt%p://user:secret@mail:25"),
+        # Refused only at bind, in a line that did not name the variable.
+        ("TOKO_LISTEN", "local host:8080"),
+        ("TOKO_LISTEN", "x" * 300 + ":8080"),
     ],
 )
 def test_bad_values_name_the_variable(name: str, value: str) -> None:
@@ -216,6 +230,43 @@ def test_watchdog_interval_is_half_of_watchdog_usec() -> None:
         Settings.from_env({"WATCHDOG_USEC": "10000000", "WATCHDOG_PID": "1"}).watchdog_interval
         is None
     )
+
+
+def test_an_odd_watchdog_usec_means_no_watchdog_not_a_traceback() -> None:
+    # isdigit() passed both, and int() then raised.
+    assert Settings.from_env({"WATCHDOG_USEC": "\u00b2"}).watchdog_interval is None
+    assert Settings.from_env({"WATCHDOG_USEC": "9" * 5000}).watchdog_interval is None
+
+
+@pytest.mark.parametrize(
+    ("path", "problem"),
+    [
+        ("/dev/zero", "longer than a secret can be"),  # was read until memory ran out
+        ("pass\nword", "cannot read 'pass\\nword'"),  # the message was two lines
+        ("pass\x00word", "is not a file path"),  # only from an env file; was a traceback
+    ],
+)
+def test_a_secret_file_that_cannot_be_a_secret_is_one_line(path: str, problem: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"TOKO_API_TOKEN_FILE": path})
+    message = str(info.value)
+    assert message.startswith("TOKO_API_TOKEN_FILE: ") and problem in message
+    assert "\n" not in message
+
+
+def test_a_credentials_directory_no_file_can_be_in_is_a_config_error() -> None:
+    # Path.exists() raised "File name too long" for the credential in it.
+    with pytest.raises(ConfigError, match=r"^CREDENTIALS_DIRECTORY/db-password: cannot read"):
+        Settings.from_env({"CREDENTIALS_DIRECTORY": "c" * 5000})
+
+
+def test_postgres_urls_with_several_hosts_or_a_socket_are_taken() -> None:
+    for url in [
+        "postgresql://toko@db1.example:5432,db2.example/toko",
+        "postgresql://toko@[::1]:5432,[2001:db8::5]/toko",
+        "postgresql:///toko?host=/run/postgresql",
+    ]:
+        assert Settings.from_env({"TOKO_DATABASE": url}).database == url
 
 
 def test_listen_accepts_ipv6_brackets() -> None:
