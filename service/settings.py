@@ -285,11 +285,10 @@ def _parse_email_list(raw: str) -> tuple[str, ...]:
 
 def _int_between(low: int, high: int) -> Callable[[str], int]:
     def parse(raw: str) -> int:
-        try:
-            value = int(raw)
-        except ValueError:
-            value = low - 1
-        if not low <= value <= high:
+        # ASCII digits, as TOKO_LISTEN's port: int() also took "+7", "1_0"
+        # (ten) and other scripts' digits.
+        value = ascii_int(raw.strip(), low, high)
+        if value is None:
             raise ValueError(f"must be an integer from {low} to {high}")
         return value
 

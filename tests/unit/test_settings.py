@@ -38,6 +38,9 @@ def test_state_directory_holds_the_database_and_backups() -> None:
         ("TOKO_LISTEN", "127.0.0.1:\u00b2"),  # SUPERSCRIPT TWO: a digit to isdigit()
         ("TOKO_WORKERS", "abc"),
         ("TOKO_WORKERS", "0"),
+        ("TOKO_WORKERS", "1_0"),  # int() read ten
+        ("TOKO_WORKERS", "+7"),
+        ("TOKO_BACKUP_KEEP", "\u0663"),  # ARABIC-INDIC DIGIT THREE
         ("TOKO_JOB_MAX_ATTEMPTS", "-1"),
         ("TOKO_JOB_BACKOFF", "-1"),
         ("TOKO_JOB_BACKOFF", "nan"),
