@@ -383,9 +383,12 @@ def check_for_api(settings: Settings) -> None:
     """What only toko-api needs. The timer jobs load the same settings but send
     no mail, so they are not given the SMTP credential."""
     smtp = settings.smtp
-    if smtp is not None and smtp.logs_in and smtp.password is None:
+    if smtp is not None and smtp.logs_in and not smtp.password:
+        # An empty file too, as for the API token: a login with an empty
+        # password fails every email, long after the start looked fine.
+        given = "an empty password was" if smtp.password == "" else "no password was"
         raise ConfigError(
-            f"TOKO_SMTP_URL logs in as {smtp.username!r}, but no password was given "
+            f"TOKO_SMTP_URL logs in as {smtp.username!r}, but {given} given "
             "(the systemd credential 'smtp-password' or TOKO_SMTP_PASSWORD_FILE)"
         )
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from service import cli
-from service.settings import ConfigError, Settings
+from service.settings import ConfigError, Settings, check_for_api
 
 
 def test_defaults_need_no_configuration() -> None:
@@ -170,6 +170,21 @@ def test_unreadable_password_file_is_a_config_error(tmp_path: Path) -> None:
                 "TOKO_SMTP_PASSWORD_FILE": str(tmp_path / "missing"),
             }
         )
+
+
+@pytest.mark.parametrize(("content", "said"), [("", "an empty"), (None, "no")])
+def test_an_smtp_login_without_a_password_is_a_config_error(
+    tmp_path: Path, content: str | None, said: str
+) -> None:
+    # An empty file logged in with an empty password: every email failed,
+    # long after a start that looked fine.
+    env = {"TOKO_SMTP_URL": "smtp://toko@127.0.0.1:25"}
+    if content is not None:
+        (tmp_path / "smtp-password").write_text(content)
+        env["TOKO_SMTP_PASSWORD_FILE"] = str(tmp_path / "smtp-password")
+    settings = Settings.from_env(env)
+    with pytest.raises(ConfigError, match=f"^TOKO_SMTP_URL logs in as 'toko', but {said} password"):
+        check_for_api(settings)
 
 
 @pytest.mark.parametrize(
