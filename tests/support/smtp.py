@@ -12,7 +12,7 @@ Usage::
         smtp.defer_recipient("x@toko.test", 2) # its next 2 RCPT TOs get 450 (4xx)
         smtp.limit_per_connection(2)           # MAIL FROM after 2 messages: 421, closed
         smtp.limit_per_connection(2, at="RCPT")  # ... or RCPT TO after 2 messages
-        smtp.drop_connections()                # close every open connection now
+        smtp.drop_connections()                # close every open connection now (how many)
         smtp.reset()                           # back to: deliver at once
         await smtp.async_wait_delivered(10, timeout=30)   # 10 distinct Message-IDs
         smtp.delivered()                       # list[SmtpMessage], outcome "delivered"
@@ -382,10 +382,12 @@ class SmtpServer:
             self._behaviour.per_connection = count
             self._behaviour.per_connection_at = at
 
-    def drop_connections(self) -> None:
-        """Close every open connection now, as a server's idle timeout does."""
+    def drop_connections(self) -> int:
+        """Close every open connection now, as a server's idle timeout does;
+        how many there were."""
         assert self._controller is not None, "not started"
         dropped = threading.Event()
+        closed: list[_Connection] = []
 
         def drop() -> None:
             for connection in list(self._open):
@@ -393,10 +395,12 @@ class SmtpServer:
                     # Not close(): a TLS connection would wait for the
                     # client's close_notify, and the socket outlive stop().
                     connection.transport.abort()
+                    closed.append(connection)
             dropped.set()
 
         self._controller.loop.call_soon_threadsafe(drop)
         assert dropped.wait(5), "the server's loop did not run"
+        return len(closed)
 
     # -- queries -----------------------------------------------------------
 
