@@ -46,11 +46,23 @@ def backup_name(now: float, suffix: str = SUFFIX) -> str:
     return PREFIX + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + suffix
 
 
+def _backup_pattern(suffix: str) -> str:
+    """A regular expression for exactly the names backup_name() gives."""
+    return re.escape(PREFIX) + r"\d{8}T\d{6}Z" + re.escape(suffix)
+
+
 def list_backups(folder: Path, suffix: str = SUFFIX) -> list[Path]:
-    """Finished backups, oldest first (the timestamped names sort by time)."""
+    """Finished backups, oldest first (the timestamped names sort by time).
+
+    Only the names backup_name() gives: an admin's copy beside them
+    (toko-before-upgrade.db, "toko-20261101T023000Z (copy).db") is neither
+    counted among the TOKO_BACKUP_KEEP nor pruned. Counted, it took a place,
+    pushing a real backup out, and went itself once enough runs had come.
+    """
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.glob(f"{PREFIX}*{suffix}") if p.is_file())
+    name = re.compile(_backup_pattern(suffix))
+    return sorted(p for p in folder.iterdir() if name.fullmatch(p.name) and p.is_file())
 
 
 def check_integrity(path: Path) -> None:
@@ -124,8 +136,7 @@ def remove_partials(folder: Path, suffix: str) -> list[Path]:
     new name: left alone, they fill the disk the database is on. Only toko's
     own temporary names; the caller holds the folder lock, so no live run's.
     """
-    name = re.escape(PREFIX) + r"\d{8}T\d{6}Z" + re.escape(suffix)  # as backup_name()
-    pattern = re.compile(rf"\.{name}\.partial(-journal)?")
+    pattern = re.compile(rf"\.{_backup_pattern(suffix)}\.partial(-journal)?")
     removed = [path for path in folder.iterdir() if pattern.fullmatch(path.name)]
     for path in removed:
         log.warning(

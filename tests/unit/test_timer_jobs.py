@@ -300,6 +300,27 @@ async def test_prune_keeps_the_backup_just_written_when_the_clock_is_behind(
     backup.check_integrity(made)
 
 
+async def test_rotation_leaves_an_admins_copies_alone_and_keeps_its_count_of_backups(
+    tmp_path: Path,
+) -> None:
+    db = str(tmp_path / "toko.db")
+    await seed(db, 2)
+    folder = tmp_path / "backups"
+    good = []
+    for day in (1, 2, 3):
+        path = backup.make_backup(db, folder, keep=3)
+        good.append(path.rename(path.with_name(f"toko-2026110{day}T023000Z.db")))
+    # Copies an admin made by hand, named like backups but not by toko-backup.
+    mine = [folder / "toko-before-upgrade.db", folder / "toko-20261101T023000Z (copy).db"]
+    for path in mine:
+        path.write_bytes(good[0].read_bytes())
+    made = backup.make_backup(db, folder, keep=3)
+    assert backup.list_backups(folder) == [*good[1:], made]
+    assert all(path.exists() for path in mine)
+    backup.make_backup(db, folder, keep=1)
+    assert all(path.exists() for path in mine)
+
+
 async def test_a_restore_names_the_replaced_database_only_if_there_was_one(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
