@@ -107,13 +107,24 @@ def check_toko_database(path: Path) -> None:
     refuse_newer(path, version, LATEST_VERSION)
 
 
+def _unusable_folder(folder: Path, exc: OSError) -> JobFailed:
+    """One line naming the setting: "[Errno 17] File exists: PATH" said neither what nor why."""
+    # mkdir(exist_ok=True) says "exists" only when it is no directory.
+    reason = "it is not a directory" if isinstance(exc, FileExistsError) else exc.strerror
+    return JobFailed(f"cannot write backups into {folder} (TOKO_BACKUP_DIR): {reason or exc}")
+
+
 @contextlib.contextmanager
 def _folder_lock(folder: Path) -> Iterator[None]:
     """One backup at a time per folder (a manual run during the timer's waits).
 
     Only so can a run delete the partial copies it finds: none is being written.
     """
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise _unusable_folder(folder, exc) from exc
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -160,7 +171,6 @@ def publish_backup(
     fsynced, renamed into place and the folder fsynced, so a crash leaves
     either the whole backup or none.
     """
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     with _folder_lock(folder):
         remove_partials(folder, suffix)
         stamp = clock()
@@ -200,6 +210,10 @@ def make_backup(
             source.backup(target)
             # A self-contained single file: no -wal beside it to lose.
             target.execute("PRAGMA journal_mode = DELETE")
+        except sqlite3.Error as exc:
+            # SQLite's own words ("database or disk is full", "disk I/O error")
+            # do not say which disk: the likely one is the backups'.
+            raise JobFailed(f"copying {database} into {folder} failed: {exc}") from exc
         finally:
             target.close()
             source.close()

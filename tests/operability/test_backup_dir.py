@@ -1,0 +1,108 @@
+"""toko-backup with a backup directory it cannot use, or that fills up mid-copy.
+
+Each ends the run with exit 1 and one line that says where, naming
+TOKO_BACKUP_DIR when the directory itself is the trouble; a full disk leaves
+no partial copy and keeps the backups already there. The runs are the real
+script; the full and the read-only disks are real tmpfs mounts (root).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from jobs import backup
+from service.store.sqlite import SqliteStore
+from tests.operability.cli import partials, run
+
+
+@pytest.fixture
+async def database(tmp_path: Path) -> Path:
+    """A toko database of about 800 KiB: more than the small disk below holds."""
+    path = tmp_path / "toko.db"
+    store = SqliteStore(str(path))
+    await store.open()
+    await store.close()
+    with closing(sqlite3.connect(path)) as conn:
+        conn.execute("CREATE TABLE pad (b BLOB)")
+        conn.executemany("INSERT INTO pad VALUES (zeroblob(4000))", [()] * 200)
+        conn.commit()
+    return path
+
+
+def mount_tmpfs(where: Path, options: str) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.fail("mounting a tmpfs needs root (deselect with -m 'not root')", pytrace=False)
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "toko-test", where], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "--lazy", where], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    yield from mount_tmpfs(tmp_path / "small", "size=400k")
+
+
+@pytest.fixture
+def read_only_disk(tmp_path: Path) -> Iterator[Path]:
+    yield from mount_tmpfs(tmp_path / "ro", "ro,size=100k")
+
+
+async def backup_into(database: Path, folder: Path) -> tuple[int, list[str]]:
+    done = await run(
+        "toko-backup", env={"TOKO_DATABASE": str(database), "TOKO_BACKUP_DIR": str(folder)}
+    )
+    return done.returncode, done.stderr.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("where", "reason"),
+    [("a-file", "it is not a directory"), ("a-file/backups", "Not a directory")],
+)
+async def test_a_backup_directory_that_cannot_be_one_is_named_in_one_line(
+    database: Path, tmp_path: Path, where: str, reason: str
+) -> None:
+    (tmp_path / "a-file").write_text("an admin's notes")
+    folder = tmp_path / where
+    code, err = await backup_into(database, folder)
+    assert code == 1
+    assert err == [f"toko-backup: cannot write backups into {folder} (TOKO_BACKUP_DIR): {reason}"]
+    assert (tmp_path / "a-file").read_text() == "an admin's notes"
+
+
+@pytest.mark.root
+async def test_a_read_only_backup_directory_is_named_in_one_line(
+    database: Path, read_only_disk: Path
+) -> None:
+    code, err = await backup_into(database, read_only_disk)
+    assert code == 1
+    assert err == [
+        f"toko-backup: cannot write backups into {read_only_disk} (TOKO_BACKUP_DIR):"
+        " Read-only file system"
+    ]
+
+
+@pytest.mark.root
+async def test_a_full_backup_disk_leaves_no_partial_copy_and_keeps_the_older_backups(
+    database: Path, small_disk: Path
+) -> None:
+    older = small_disk / "toko-20261101T023000Z.db"
+    older.write_bytes(b"an older backup, small enough to fit")
+    code, err = await backup_into(database, small_disk)
+    assert code == 1
+    # SQLite's words alone ("database or disk is full") did not say which disk.
+    assert err == [
+        f"toko-backup: copying {database} into {small_disk} failed: database or disk is full"
+    ]
+    assert partials(small_disk) == []
+    assert backup.list_backups(small_disk) == [older]
+    assert older.read_bytes() == b"an older backup, small enough to fit"
