@@ -71,6 +71,15 @@ def _tool_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def _one_line(output: str) -> str:
+    """A tool's message on one line: the failure is one journal entry and one stderr line.
+
+    pg_dump spreads one error over several (libpq's "server closed the
+    connection unexpectedly", then "pg_dump: detail: ..." lines).
+    """
+    return "; ".join(line.strip() for line in output.splitlines() if line.strip())
+
+
 def _run(
     settings: Settings, *args: str, stdout: IO[bytes] | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -86,7 +95,7 @@ def _run(
     )
     if result.returncode != 0:
         tool = Path(args[0]).name
-        detail = (result.stderr or result.stdout).strip().replace(settings.database, "…")
+        detail = _one_line(result.stderr or result.stdout).replace(settings.database, "…")
         raise JobFailed(f"{tool} failed ({result.returncode}): {detail[-2000:]}")
     return result
 

@@ -16,6 +16,7 @@ import os
 import signal
 import stat
 import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -400,3 +401,101 @@ async def test_an_archive_pg_dump_wrote_with_inserts_restores_too(
     assert restored.returncode == 0, restored.stderr
     assert await fetch(pg_cluster, pg_url, "SELECT nama FROM products") == [("Lama",)]
     await pg_cluster.async_drop_database(source_url)
+
+
+@contextlib.asynccontextmanager
+async def _dump_waits_on_a_lock(cluster: PostgresCluster, url: str) -> AsyncIterator[Any]:
+    """Hold the jobs table so a toko-backup started now waits mid-dump (its
+    partial dump exists, pg_dump is connected); yields the holding connection.
+
+    A dump slower than the unit's TimeoutStartSec=, or a server going away
+    under it, without depending on how fast this machine dumps.
+    """
+    conn = await cluster.connect(url.rsplit("/", 1)[1])
+    try:
+        async with conn.transaction():
+            await conn.execute("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE")
+            yield conn
+    finally:
+        await conn.close()
+
+
+async def _until_the_dump_waits(conn: Any, proc: subprocess.Popen[str]) -> None:
+    waiting = (
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE application_name = 'toko-backup' AND wait_event_type = 'Lock'"
+    )
+    async with asyncio.timeout(30):
+        while not await conn.fetchval(waiting):
+            assert proc.poll() is None, proc.communicate()
+            await asyncio.sleep(0.02)
+            # Within a transaction, pg_stat_activity repeats its first answer.
+            await conn.execute("SELECT pg_stat_clear_snapshot()")
+
+
+def _start_backup(workdir: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        tool_command("toko-backup"),
+        env=clean_env(workdir, env),
+        cwd=workdir,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: pg_dump can be signalled with it
+    )
+
+
+async def test_a_server_gone_mid_dump_fails_in_one_line_and_keeps_the_older_backups(
+    tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    await _seed(pg_cluster, pg_url, 5)
+    folder = tmp_path / "backups"
+    env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(folder))
+    older = run_tool("toko-backup", tmp_path, env)
+    assert older.returncode == 0, older.stderr
+    async with _dump_waits_on_a_lock(pg_cluster, pg_url) as conn:
+        proc = _start_backup(tmp_path, env)
+        try:
+            await _until_the_dump_waits(conn, proc)
+            assert partials(folder)
+            await conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name = 'toko-backup'"
+            )
+            _, err = await asyncio.to_thread(proc.communicate, timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 1
+    # One line, as every failure: pg_dump spreads this one over five.
+    (line,) = err.splitlines()
+    assert line.startswith("toko-backup: pg_dump failed (1): pg_dump: error: ")
+    assert "terminating connection due to administrator command" in line
+    assert partials(folder) == []
+    assert backup.list_backups(folder, pg_backup.SUFFIX) == [Path(printed(older.stdout)[-1])]
+
+
+async def test_a_dump_past_the_units_timeout_is_stopped_with_pg_dump_and_leaves_nothing(
+    tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    # TimeoutStartSec=: systemd sends SIGTERM to every process of the unit,
+    # pg_dump included, not to toko-backup alone.
+    await _seed(pg_cluster, pg_url, 5)
+    folder = tmp_path / "backups"
+    env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(folder))
+    async with _dump_waits_on_a_lock(pg_cluster, pg_url) as conn:
+        proc = _start_backup(tmp_path, env)
+        try:
+            await _until_the_dump_waits(conn, proc)
+            os.killpg(proc.pid, signal.SIGTERM)
+            _, err = await asyncio.to_thread(proc.communicate, timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert err.splitlines() == ["toko-backup: stopped by SIGTERM before it finished"]
+    assert partials(folder) == []
+    assert backup.list_backups(folder, pg_backup.SUFFIX) == []
