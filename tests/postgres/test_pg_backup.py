@@ -315,6 +315,17 @@ async def test_backups_are_pruned_and_verified(
     with pytest.raises(JobFailed, match="not a usable pg_dump archive"):
         await asyncio.to_thread(pg_backup.restore, settings, bad, folder)
 
+    # Cut short (a copy to another host interrupted, a disk that lied): its
+    # table of contents, at the start, is whole; the data after it are not.
+    cut = tmp_path / "cut.dump"
+    cut.write_bytes(made[2].read_bytes()[:-100])
+    with pytest.raises(JobFailed, match=r"not a usable pg_dump archive.*end of file"):
+        await asyncio.to_thread(pg_backup.check_archive, settings, cut)
+    # Refused before the current contents are dumped beside the backups.
+    with pytest.raises(JobFailed, match="not a usable pg_dump archive"):
+        await asyncio.to_thread(pg_backup.restore, settings, cut, folder)
+    assert not list(folder.glob("before-restore-*"))
+
 
 async def test_a_wrong_password_fails_with_one_clear_line(
     tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
