@@ -237,7 +237,61 @@ def prune(folder: Path, keep: int, suffix: str = SUFFIX, newest: Path | None = N
     return old
 
 
-def restore(database: str, source: Path) -> Path | None:
+def _keep_path(db: Path, now: float) -> Path:
+    """A new, empty file for the replaced database: never one an earlier restore kept.
+
+    Named by the second alone, a restore within the same second as the last
+    one copied over the file that held the database before both.
+    """
+    while True:
+        stamp = backup_name(now)[len(PREFIX) : -len(SUFFIX)]
+        kept = db.with_name(f"{db.name}.before-restore-{stamp}")
+        try:
+            os.close(os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            now += 1
+            continue
+        return kept
+
+
+def _replace_database(db: Path, source: Path, clock: Callable[[], float]) -> Path | None:
+    """Put ``source`` in place of ``db``, a copy of which is kept; return that copy.
+
+    Stopped or failed before the swap (a full disk, SIGTERM), it leaves the
+    database as it was and neither copy behind: a partial one, named as the
+    kept database, looked like a whole one.
+    """
+    kept: Path | None = None
+    tmp = db.with_name(f".{db.name}.restoring")
+    replaced = False
+    try:
+        if db.exists():
+            # Fold any WAL content into the old file so the kept copy is complete.
+            conn = connect(str(db))
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            conn.close()
+            kept = _keep_path(db, clock())
+            shutil.copy2(db, kept)
+            # On disk before the database is replaced: it may be the only
+            # copy of the newest data (its name is synced with the rename's).
+            fsync_file(kept)
+        shutil.copyfile(source, tmp)
+        os.chmod(tmp, 0o600)
+        fsync_file(tmp)
+        for stale in (db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+            stale.unlink(missing_ok=True)
+        tmp.rename(db)
+        replaced = True
+        fsync_dir(db.parent)
+    except BaseException:  # Stopped (SIGTERM) included
+        tmp.unlink(missing_ok=True)
+        if kept is not None and not replaced:
+            kept.unlink(missing_ok=True)
+        raise
+    return kept
+
+
+def restore(database: str, source: Path, clock: Callable[[], float] = time.time) -> Path | None:
     """Replace the database with ``source``; the current file is kept beside it."""
     if not source.is_file():
         raise JobFailed(f"no backup file at {source}")
@@ -249,26 +303,7 @@ def restore(database: str, source: Path) -> Path | None:
     except InstanceLocked:
         raise JobFailed(f"toko-api is running; stop it first ({STOP_API}), then restore") from None
     try:
-        db = Path(database)
-        kept: Path | None = None
-        if db.exists():
-            # Fold any WAL content into the old file so the kept copy is complete.
-            conn = connect(database)
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            conn.close()
-            kept = db.with_name(f"{db.name}.before-restore-{backup_name(time.time())[5:-3]}")
-            shutil.copy2(db, kept)
-            # On disk before the database is replaced: it may be the only
-            # copy of the newest data (its name is synced with the rename's).
-            fsync_file(kept)
-        tmp = db.with_name(f".{db.name}.restoring")
-        shutil.copyfile(source, tmp)
-        os.chmod(tmp, 0o600)
-        fsync_file(tmp)
-        for stale in (db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
-            stale.unlink(missing_ok=True)
-        tmp.rename(db)
-        fsync_dir(db.parent)
+        kept = _replace_database(Path(database), source, clock)
     finally:
         lock.release()
     kept_as = {} if kept is None else {"PREVIOUS": str(kept)}  # nothing there before: no field

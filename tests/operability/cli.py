@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,3 +88,15 @@ def freeze_mid_copy(proc: subprocess.Popen[str], folder: Path) -> list[str]:
             pytest.fail("the copy was published before the run could be frozen")
         time.sleep(0.002)
     pytest.fail(f"no partial copy appeared (exit code {proc.poll()})")
+
+
+def mount_tmpfs(where: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs at the new folder ``where`` (a small or read-only disk), for a fixture."""
+    if os.geteuid() != 0:
+        pytest.fail("mounting a tmpfs needs root (deselect with -m 'not root')", pytrace=False)
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "toko-test", where], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "--lazy", where], check=False)

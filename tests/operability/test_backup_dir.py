@@ -8,9 +8,7 @@ script; the full and the read-only disks are real tmpfs mounts (root).
 
 from __future__ import annotations
 
-import os
 import sqlite3
-import subprocess
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -19,7 +17,7 @@ import pytest
 
 from jobs import backup
 from service.store.sqlite import SqliteStore
-from tests.operability.cli import partials, run
+from tests.operability.cli import mount_tmpfs, partials, run
 
 
 @pytest.fixture
@@ -34,17 +32,6 @@ async def database(tmp_path: Path) -> Path:
         conn.executemany("INSERT INTO pad VALUES (zeroblob(4000))", [()] * 200)
         conn.commit()
     return path
-
-
-def mount_tmpfs(where: Path, options: str) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.fail("mounting a tmpfs needs root (deselect with -m 'not root')", pytrace=False)
-    where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "toko-test", where], check=True)
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "--lazy", where], check=False)
 
 
 @pytest.fixture

@@ -9,21 +9,26 @@ server, restored the way the README says (toko-api stopped first).
 
 A file toko-api could not start on (a newer toko's backup, another program's
 database) is refused before anything is replaced, with one line that says why.
+A restore that runs out of disk (a real small tmpfs, root) leaves the database
+as it was and no partial copy beside it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import closing
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from service.store.migrations import LATEST_VERSION
 from tests.conftest import ServiceFactory
-from tests.operability.cli import run
+from tests.operability.cli import mount_tmpfs, run
 from tests.support.api import create_products
 from tests.support.old_schema import make_sqlite_at
 from tests.support.service import ServiceProcess
@@ -106,3 +111,43 @@ async def test_a_file_toko_api_could_not_start_on_is_refused_before_anything_is_
     assert db.read_bytes() == before
     kept = await asyncio.to_thread(lambda: list(tmp_path.glob("toko.db.before-restore-*")))
     assert kept == []  # refused before the current database was even copied
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
+    yield from mount_tmpfs(tmp_path / "disk", f"size={request.param}")
+
+
+@pytest.mark.root
+# The database is about 600 KiB: the copy kept of it fails halfway, or it
+# fits and the copy of the backup fails.
+@pytest.mark.parametrize("small_disk", ["1m", "1600k"], indirect=True)
+async def test_a_restore_that_runs_out_of_disk_leaves_the_database_and_nothing_else(
+    tmp_path: Path, small_disk: Path
+) -> None:
+    made = tmp_path / "made.db"  # made elsewhere: its WAL would not fit beside it
+    make_sqlite_at(str(made), LATEST_VERSION, "CREATE TABLE pad (b BLOB)")
+    with closing(sqlite3.connect(made)) as conn:
+        conn.executemany("INSERT INTO pad VALUES (zeroblob(4000))", [()] * 150)
+        conn.commit()
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # all of it in the one file
+    db = small_disk / "toko.db"
+    shutil.copyfile(made, db)
+    tools = {"TOKO_DATABASE": str(db), "TOKO_BACKUP_DIR": str(tmp_path / "b")}
+    backed_up = await run("toko-backup", env=tools)
+    assert backed_up.returncode == 0, backed_up.stderr
+    (backup,) = (tmp_path / "b").glob("toko-*.db")
+    before = db.read_bytes()
+
+    restored = await run("toko-backup", "--restore", str(backup), env=tools)
+
+    assert restored.returncode == 1
+    (line,) = restored.stderr.splitlines()
+    assert "No space left on device" in line
+    assert db.read_bytes() == before
+    # No half copy named as the kept database, no temporary copy.
+    left = await asyncio.to_thread(os.listdir, small_disk)
+    assert sorted(name for name in left if not name.endswith(("-wal", "-shm"))) == [
+        "toko.db",
+        "toko.db.lock",
+    ]

@@ -321,6 +321,22 @@ async def test_rotation_leaves_an_admins_copies_alone_and_keeps_its_count_of_bac
     assert all(path.exists() for path in mine)
 
 
+async def test_restores_in_the_same_second_each_keep_the_database_they_replaced(
+    tmp_path: Path,
+) -> None:
+    db = str(tmp_path / "toko.db")
+    await seed(db, 1)
+    saved = backup.make_backup(db, tmp_path / "b", keep=3)
+    await seed(db, 2)  # the newest data, in the database alone
+    second = lambda: 1796089751.0  # noqa: E731  # both restores within it
+    first_kept = backup.restore(db, saved, clock=second)
+    again_kept = backup.restore(db, saved, clock=second)
+    assert first_kept is not None and again_kept is not None
+    assert first_kept != again_kept
+    assert count(first_kept, "products") == 3  # not copied over by the second
+    assert count(again_kept, "products") == 1
+
+
 async def test_a_restore_names_the_replaced_database_only_if_there_was_one(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
