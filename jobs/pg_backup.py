@@ -192,7 +192,37 @@ async def _connected_apis(conn: asyncpg.Connection) -> list[str]:
     return [f"{row['client']} ({row['n']} connections)" for row in rows]
 
 
-async def _restore(settings: Settings, source: Path, folder: Path) -> Path | None:
+def _safety_dump_path(folder: Path, now: float) -> Path:
+    """Where the current contents go before a restore: a name no earlier restore took.
+
+    Not named toko-*: pruning never removes it.
+    """
+    while True:
+        kept = folder / f"before-restore-{backup_name(now, SUFFIX)[len(PREFIX) :]}"
+        if not kept.exists():  # _dump() refuses one that does (O_EXCL)
+            return kept
+        now += 1  # a second restore within the same second
+
+
+def _keep_current_contents(settings: Settings, kept: Path) -> None:
+    """Dump the database to ``kept``, on disk, name included, before it is replaced.
+
+    A dump that fails (the server gone; pg_dump stopped by the SIGTERM that
+    systemd sends the whole unit) is deleted: left, it looked like the kept
+    contents.
+    """
+    try:
+        _dump(settings, kept)
+        fsync_file(kept)
+        fsync_dir(kept.parent)
+    except BaseException:
+        kept.unlink(missing_ok=True)
+        raise
+
+
+async def _restore(
+    settings: Settings, source: Path, folder: Path, clock: Callable[[], float]
+) -> Path | None:
     try:
         conn = await asyncpg.connect(
             settings.database,
@@ -213,12 +243,8 @@ async def _restore(settings: Settings, source: Path, folder: Path) -> Path | Non
             )
         kept: Path | None = None
         if await conn.fetchval("SELECT to_regclass('products') IS NOT NULL"):
-            # Not named toko-*: pruning never removes it.
-            kept = folder / f"before-restore-{backup_name(time.time(), SUFFIX)[len(PREFIX) :]}"
-            await asyncio.to_thread(_dump, settings, kept)
-            # On disk, name included, before pg_restore replaces what it holds.
-            await asyncio.to_thread(fsync_file, kept)
-            await asyncio.to_thread(fsync_dir, folder)
+            kept = _safety_dump_path(folder, clock())
+            await asyncio.to_thread(_keep_current_contents, settings, kept)
         await asyncio.to_thread(
             _run,
             settings,
@@ -238,7 +264,9 @@ async def _restore(settings: Settings, source: Path, folder: Path) -> Path | Non
         await conn.close()
 
 
-def restore(settings: Settings, source: Path, folder: Path) -> Path | None:
+def restore(
+    settings: Settings, source: Path, folder: Path, clock: Callable[[], float] = time.time
+) -> Path | None:
     """Replace the database's contents with ``source``; return the safety dump, if any."""
     if not source.is_file():
         raise JobFailed(f"no backup file at {source}")
@@ -246,7 +274,7 @@ def restore(settings: Settings, source: Path, folder: Path) -> Path | None:
     # Not in check_archive: during an upgrade the hosts still on this toko
     # back up a database a newer one has migrated, and rightly so.
     check_schema_version(settings, source)
-    kept = asyncio.run(_restore(settings, source, folder))
+    kept = asyncio.run(_restore(settings, source, folder, clock))
     kept_as = {} if kept is None else {"PREVIOUS": str(kept)}  # nothing there before: no field
     log.info("backup restored", extra={"PATH": str(source), **kept_as})
     return kept

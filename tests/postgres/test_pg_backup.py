@@ -444,9 +444,9 @@ async def _until_the_dump_waits(conn: Any, proc: subprocess.Popen[str]) -> None:
             await conn.execute("SELECT pg_stat_clear_snapshot()")
 
 
-def _start_backup(workdir: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+def _start_backup(workdir: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        tool_command("toko-backup"),
+        tool_command("toko-backup", *args),
         env=clean_env(workdir, env),
         cwd=workdir,
         stdin=subprocess.DEVNULL,
@@ -510,3 +510,54 @@ async def test_a_dump_past_the_units_timeout_is_stopped_with_pg_dump_and_leaves_
     assert err.splitlines() == ["toko-backup: stopped by SIGTERM before it finished"]
     assert partials(folder) == []
     assert backup.list_backups(folder, pg_backup.SUFFIX) == []
+
+
+@pytest.mark.parametrize("stop", ["server gone", "SIGTERM"])
+async def test_a_restore_whose_safety_dump_fails_leaves_no_dump_named_as_kept(
+    tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str, stop: str
+) -> None:
+    # The current contents are dumped to before-restore-<time>.dump first;
+    # a dump cut short there used to stay, looking like the kept contents.
+    await _seed(pg_cluster, pg_url, 5)
+    folder = tmp_path / "backups"
+    env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(folder))
+    made = run_tool("toko-backup", tmp_path, env)
+    assert made.returncode == 0, made.stderr
+    await _seed(pg_cluster, pg_url, 2)  # newer than the backup
+    before = await dump_rows(pg_cluster, pg_url)
+    async with _dump_waits_on_a_lock(pg_cluster, pg_url) as conn:
+        proc = _start_backup(tmp_path, env, "--restore", printed(made.stdout)[-1])
+        try:
+            await _until_the_dump_waits(conn, proc)
+            assert list(folder.glob("before-restore-*"))  # the safety dump under way
+            if stop == "SIGTERM":
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                await conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE application_name = 'toko-backup' AND wait_event_type = 'Lock'"
+                )
+            _, err = await asyncio.to_thread(proc.communicate, timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == (128 + signal.SIGTERM if stop == "SIGTERM" else 1)
+    assert len(err.splitlines()) == 1, err
+    assert not list(folder.glob("before-restore-*"))
+    assert await dump_rows(pg_cluster, pg_url) == before
+
+
+async def test_restores_in_the_same_second_each_keep_what_they_replaced(
+    tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    # The second's safety dump was refused: "[Errno 17] File exists: ...".
+    await _seed(pg_cluster, pg_url, 5)
+    settings = Settings(database=pg_url, database_password=pg_cluster.password)
+    folder = tmp_path / "b"
+    made = await asyncio.to_thread(pg_backup.make_backup, settings, folder, 2)
+    second = lambda: 1796089751.0  # noqa: E731  # both restores within it
+    kept = [
+        await asyncio.to_thread(pg_backup.restore, settings, made, folder, second) for _ in range(2)
+    ]
+    assert kept[0] is not None and kept[1] is not None and kept[0] != kept[1]
