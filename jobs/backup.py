@@ -86,11 +86,11 @@ def refuse_newer(source: Path, version: int, latest: int) -> None:
         )
 
 
-def check_toko_database(path: Path) -> None:
-    """Raise JobFailed unless toko-api can run on ``path`` (checked before restoring it).
+def toko_schema_version(path: Path, shown_as: Path | str | None = None) -> int:
+    """The schema version of the toko database at ``path``; JobFailed if it is none.
 
-    Any SQLite file passes the integrity check: another program's would be
-    restored, and toko-api would then start on an empty shop beside its tables.
+    Any SQLite file passes the integrity check, an empty one included.
+    ``shown_as`` names the file in the message (a copy's source, say).
     """
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
@@ -98,13 +98,23 @@ def check_toko_database(path: Path) -> None:
         rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
     finally:
         conn.close()
-    tables = {name for (name,) in rows}
+    name = path if shown_as is None else shown_as
+    tables = {table for (table,) in rows}
     missing = [table for table in TOKO_TABLES if table not in tables]
     if missing:
-        raise JobFailed(f"{path} is not a toko database (no {' or '.join(missing)} table)")
+        raise JobFailed(f"{name} is not a toko database (no {' or '.join(missing)} table)")
     if version < 1:  # every toko sets it in the transaction that creates the tables
-        raise JobFailed(f"{path} is not a toko database (no toko schema version)")
-    refuse_newer(path, version, LATEST_VERSION)
+        raise JobFailed(f"{name} is not a toko database (no toko schema version)")
+    return int(version)
+
+
+def check_toko_database(path: Path) -> None:
+    """Raise JobFailed unless toko-api can run on ``path`` (checked before restoring it).
+
+    Another program's database would be restored, and toko-api would then
+    start on an empty shop beside its tables.
+    """
+    refuse_newer(path, toko_schema_version(path), LATEST_VERSION)
 
 
 def _unusable_folder(folder: Path, exc: OSError) -> JobFailed:
@@ -218,6 +228,11 @@ def make_backup(
             target.close()
             source.close()
         check_integrity(tmp)
+        # An emptied database file (or another program's) copies without an
+        # error: published, it pushed the last good backups out. PostgreSQL's
+        # backups check for the toko tables too. A newer schema is no reason
+        # to refuse: back up whatever toko-api last wrote.
+        toko_schema_version(tmp, shown_as=database)
 
     return publish_backup(folder, keep, SUFFIX, write, clock)
 

@@ -153,6 +153,26 @@ async def test_backup_while_writing_is_consistent_private_and_pruned(tmp_path: P
     assert not list(folder.glob(".*partial"))
 
 
+async def test_a_database_emptied_or_not_tokos_is_not_backed_up_over_the_good_ones(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "toko.db"
+    await seed(str(db), 2)
+    folder = tmp_path / "backups"
+    good = backup.make_backup(str(db), folder, keep=1)
+    db.write_bytes(b"")  # emptied: still a SQLite database, and an intact one
+    with pytest.raises(JobFailed, match=f"{db} is not a toko database"):
+        backup.make_backup(str(db), folder, keep=1)
+    db.unlink()
+    with sqlite3.connect(db) as conn:  # another program's
+        conn.execute("CREATE TABLE notes (body TEXT)")
+    conn.close()
+    with pytest.raises(JobFailed, match=f"{db} is not a toko database"):
+        backup.make_backup(str(db), folder, keep=1)
+    assert backup.list_backups(folder) == [good]  # the last good one, still there
+    assert not list(folder.glob(".*partial*"))
+
+
 def test_backup_without_a_database_fails_clearly(tmp_path: Path) -> None:
     with pytest.raises(JobFailed, match="no database"):
         backup.make_backup(str(tmp_path / "none.db"), tmp_path / "b", keep=1)
