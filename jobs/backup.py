@@ -59,8 +59,10 @@ def list_backups(folder: Path, suffix: str = SUFFIX) -> list[Path]:
     counted among the TOKO_BACKUP_KEEP nor pruned. Counted, it took a place,
     pushing a real backup out, and went itself once enough runs had come.
     """
-    if not folder.is_dir():
-        return []
+    if not folder.exists():
+        return []  # none written yet
+    if not folder.is_dir():  # --list showed nothing, as if there were no backups
+        raise _unusable_folder(folder, FileExistsError())
     name = re.compile(_backup_pattern(suffix))
     return sorted(p for p in folder.iterdir() if name.fullmatch(p.name) and p.is_file())
 
@@ -121,7 +123,7 @@ def _unusable_folder(folder: Path, exc: OSError) -> JobFailed:
     """One line naming the setting: "[Errno 17] File exists: PATH" said neither what nor why."""
     # mkdir(exist_ok=True) says "exists" only when it is no directory.
     reason = "it is not a directory" if isinstance(exc, FileExistsError) else exc.strerror
-    return JobFailed(f"cannot write backups into {folder} (TOKO_BACKUP_DIR): {reason or exc}")
+    return JobFailed(f"cannot use {folder} for backups (TOKO_BACKUP_DIR): {reason or exc}")
 
 
 @contextlib.contextmanager

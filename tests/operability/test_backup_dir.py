@@ -62,8 +62,25 @@ async def test_a_backup_directory_that_cannot_be_one_is_named_in_one_line(
     folder = tmp_path / where
     code, err = await backup_into(database, folder)
     assert code == 1
-    assert err == [f"toko-backup: cannot write backups into {folder} (TOKO_BACKUP_DIR): {reason}"]
+    assert err == [f"toko-backup: cannot use {folder} for backups (TOKO_BACKUP_DIR): {reason}"]
     assert (tmp_path / "a-file").read_text() == "an admin's notes"
+
+
+async def test_listing_a_backup_directory_that_is_a_file_fails_instead_of_showing_none(
+    database: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "a-file"
+    folder.write_text("an admin's notes")
+    env = {"TOKO_DATABASE": str(database), "TOKO_BACKUP_DIR": str(folder)}
+    listed = await run("toko-backup", "--list", env=env)
+    assert listed.returncode == 1
+    assert listed.stderr.splitlines() == [
+        f"toko-backup: cannot use {folder} for backups (TOKO_BACKUP_DIR): it is not a directory"
+    ]
+    # No folder yet: no backups yet, nothing to say.
+    env["TOKO_BACKUP_DIR"] = str(tmp_path / "none")
+    listed = await run("toko-backup", "--list", env=env)
+    assert (listed.returncode, listed.stderr) == (0, "")
 
 
 @pytest.mark.root
@@ -73,7 +90,7 @@ async def test_a_read_only_backup_directory_is_named_in_one_line(
     code, err = await backup_into(database, read_only_disk)
     assert code == 1
     assert err == [
-        f"toko-backup: cannot write backups into {read_only_disk} (TOKO_BACKUP_DIR):"
+        f"toko-backup: cannot use {read_only_disk} for backups (TOKO_BACKUP_DIR):"
         " Read-only file system"
     ]
 
