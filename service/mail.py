@@ -20,7 +20,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from email.headerregistry import BaseHeader, HeaderRegistry
 from email.message import EmailMessage
+from email.policy import default as default_policy
 from email.utils import formatdate
 from typing import Protocol
 
@@ -36,6 +38,35 @@ SERVER_CLOSING = 421
 # How long looking up the host's name may hold up an email. A resolver that
 # does not answer takes 5 s per server and attempt (resolv.conf), often more.
 EHLO_LOOKUP_SECONDS = 3.0
+
+
+class _HeaderClasses(HeaderRegistry):
+    """The email package's header registry, making each header's class once.
+
+    The stock one builds a new class (``type(...)``) for every header of
+    every message: a third of the CPU of building and flattening an email
+    (600 µs a message here, 400 µs with the classes kept), and garbage that
+    only the cycle collector frees. A header class holds no state of its own.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._made: dict[str, type[BaseHeader]] = {}
+
+    def __getitem__(self, name: str) -> type[BaseHeader]:
+        key = name.lower()
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = super().__getitem__(name)
+        return made
+
+    def map_to_type(self, name: str, cls: type[BaseHeader]) -> None:
+        super().map_to_type(name, cls)
+        self._made.pop(name.lower(), None)
+
+
+# email.policy.default, the EmailMessage default, with the classes kept.
+MESSAGE_POLICY = default_policy.clone(header_factory=_HeaderClasses())
 
 
 class MailError(Exception):
@@ -91,7 +122,7 @@ class Email:
         return self.resend_to or self.to
 
     def to_mime(self) -> EmailMessage:
-        msg = EmailMessage()
+        msg = EmailMessage(policy=MESSAGE_POLICY)
         msg["From"] = self.mail_from
         msg["To"] = ", ".join(self.to)
         # The email package refuses a header with a line break in it, and counts

@@ -60,6 +60,23 @@ def test_a_subject_with_a_line_break_is_sent_on_one_line(separator: str) -> None
     assert subject == "Subject: Produk baru: Kopi Susu"
 
 
+def test_messages_share_their_header_classes_and_read_as_with_the_stock_policy() -> None:
+    # The stock registry made a class for every header of every email: a
+    # third of an email's CPU to build and flatten it.
+    mails = [
+        Email(n, ENQUEUED, "toko@toko.test", ("bos@toko.test", "kasir@toko.test"), "Teh", "isi")
+        for n in (1, 2)
+    ]
+    first, second = (mail.to_mime() for mail in mails)
+    for name in ("From", "To", "Subject", "Message-ID", "Content-Type"):
+        assert type(first[name]) is type(second[name]), name
+    stock = email.message_from_bytes(first.as_bytes(), policy=email.policy.default)
+    assert stock.as_bytes(policy=email.policy.SMTP) == first.as_bytes(policy=email.policy.SMTP)
+    assert [type(first[name]).__mro__[1:] for name in first] == [
+        type(stock[name]).__mro__[1:] for name in stock
+    ]
+
+
 def test_message_id_comes_from_the_job_and_the_sender_domain() -> None:
     mail = Email(42, ENQUEUED, "kasir@toko.test", ("bos@toko.test",), "Produk baru: Teh", "isi")
     assert mail.to_mime()["Message-ID"] == "<job-42.1764520000123@toko.test>"
