@@ -441,7 +441,12 @@ class SmtpServer:
         attempt = (auth_data.login.decode(), auth_data.password.decode())
         accepted = attempt == self._account
         self.logins.append(LoginAttempt(attempt[0], accepted, tls=_encrypted(server)))
-        return AuthResult(success=accepted, auth_data=auth_data if accepted else None)
+        # handled=False: aiosmtpd answers a refusal with 535 itself. Its default
+        # (True) means "already answered", and a client with a wrong password
+        # waited for a reply until its timeout.
+        return AuthResult(
+            success=accepted, handled=False, auth_data=auth_data if accepted else None
+        )
 
     def _numbered(self) -> int:
         number = len(self.connections) + 1
