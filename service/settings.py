@@ -204,6 +204,12 @@ _PATH_MAX = 4096
 _NAME_MAX = 255
 
 
+# A postgresql:// URL with a slash or the colon missing, which would be taken
+# for a SQLite file path: toko-api made a database file named after it, and
+# toko-backup and toko-recap printed that path, password and all.
+_MISTYPED_URL = re.compile(r"postgres(ql)?(:/?(?!//)|//)", re.IGNORECASE)
+
+
 def _parse_database(raw: str) -> str:
     if "://" in raw:
         return raw  # _check_database_url, which echoes no password
@@ -236,6 +242,11 @@ def _check_database_url(database: str) -> None:
     known").
     """
     scheme, separator, _ = database.partition("://")
+    if not separator and _MISTYPED_URL.match(database):
+        raise ConfigError(
+            "TOKO_DATABASE looks like a postgresql:// URL with a slash or a colon missing; "
+            "write it as postgresql://[user@]host[:port]/database"
+        )
     if not separator:
         return
     if scheme not in {"postgresql", "postgres"}:

@@ -86,6 +86,10 @@ def test_state_directory_holds_the_database_and_backups() -> None:
         ("TOKO_DATABASE", "postgresql://db.example:" + "9" * 20 + "/toko"),
         ("TOKO_DATABASE", "postgresql://db.example:0/toko"),
         ("TOKO_DATABASE", "postgres ql://toko:secret@db.example/toko"),
+        # Taken for SQLite file paths, and printed as such, password and all.
+        ("TOKO_DATABASE", "postgresql:/toko:secret@db.example/toko"),
+        ("TOKO_DATABASE", "postgresql//toko:secret@db.example/toko"),
+        ("TOKO_DATABASE", "PostgreSQL:toko:secret@db.example/toko"),
         # No file can have these paths; toko-recap and toko-queue ended in a traceback.
         ("TOKO_DATABASE", "var/" + "t" * 256 + ".db"),
         ("TOKO_DATABASE", "var/toko" * 600),
@@ -276,6 +280,11 @@ def test_a_credentials_directory_no_file_can_be_in_is_a_config_error() -> None:
     # Path.exists() raised "File name too long" for the credential in it.
     with pytest.raises(ConfigError, match=r"^CREDENTIALS_DIRECTORY/db-password: cannot read"):
         Settings.from_env({"CREDENTIALS_DIRECTORY": "c" * 5000})
+
+
+def test_sqlite_files_named_like_postgres_are_taken() -> None:
+    for path in ["postgres.db", "postgresql/toko.db", "var/postgresql:/toko.db"]:
+        assert Settings.from_env({"TOKO_DATABASE": path}).database == path
 
 
 def test_postgres_urls_with_several_hosts_or_a_socket_are_taken() -> None:
