@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 
@@ -66,9 +67,30 @@ def _tool_env(settings: Settings) -> dict[str, str]:
     # The password goes to the tools through their environment, never argv (ps shows argv).
     env = dict(os.environ)
     env["PGAPPNAME"] = "toko-backup"
-    if settings.database_password is not None:
-        env["PGPASSWORD"] = settings.database_password
+    password = _url_password(settings.database) or settings.database_password
+    if password is not None:
+        env["PGPASSWORD"] = password
     return env
+
+
+def _url_password(url: str) -> str | None:
+    password = urlsplit(url).password
+    return None if password is None else unquote(password)
+
+
+def _dbname(settings: Settings) -> str:
+    """``--dbname=`` for the tools: the URL without a password in it.
+
+    A password written into TOKO_DATABASE went on pg_dump's and pg_restore's
+    command line, which every local user reads in ps and /proc/PID/cmdline;
+    it reaches them in PGPASSWORD instead (and wins there, as it did in the URL).
+    """
+    parts = urlsplit(settings.database)
+    if parts.password is None:
+        return settings.database
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}@{hosts}"))
 
 
 def _one_line(output: str) -> str:
@@ -166,7 +188,7 @@ def _dump(settings: Settings, target: Path) -> None:
             pg_tool("pg_dump"),
             "--format=custom",
             "--no-password",
-            f"--dbname={settings.database}",
+            f"--dbname={_dbname(settings)}",
             stdout=out,
         )
 
@@ -256,7 +278,7 @@ async def _restore(
             "--single-transaction",
             "--exit-on-error",
             "--no-password",
-            f"--dbname={settings.database}",
+            f"--dbname={_dbname(settings)}",
             str(source),
         )
         return kept
