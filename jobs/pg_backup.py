@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
-from urllib.parse import unquote, urlsplit, urlunsplit
 
 import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 
@@ -42,7 +41,7 @@ from jobs.common import JobFailed
 from service.settings import Settings
 from service.store.disk import fsync_dir, fsync_file
 from service.store.pg_migrations import LATEST_VERSION, MIGRATION_LOCK
-from service.store.postgres import redact
+from service.store.postgres import redact, without_password
 
 log = logging.getLogger("toko.backup")
 SUFFIX = ".dump"
@@ -67,30 +66,21 @@ def _tool_env(settings: Settings) -> dict[str, str]:
     # The password goes to the tools through their environment, never argv (ps shows argv).
     env = dict(os.environ)
     env["PGAPPNAME"] = "toko-backup"
-    password = _url_password(settings.database) or settings.database_password
+    password = without_password(settings.database)[1] or settings.database_password
     if password is not None:
         env["PGPASSWORD"] = password
     return env
 
 
-def _url_password(url: str) -> str | None:
-    password = urlsplit(url).password
-    return None if password is None else unquote(password)
-
-
 def _dbname(settings: Settings) -> str:
     """``--dbname=`` for the tools: the URL without a password in it.
 
-    A password written into TOKO_DATABASE went on pg_dump's and pg_restore's
-    command line, which every local user reads in ps and /proc/PID/cmdline;
-    it reaches them in PGPASSWORD instead (and wins there, as it did in the URL).
+    A password written into TOKO_DATABASE (user:password@, or ?password=)
+    went on pg_dump's and pg_restore's command line, which every local user
+    reads in ps and /proc/PID/cmdline; it reaches them in PGPASSWORD instead
+    (and wins there, as it did in the URL).
     """
-    parts = urlsplit(settings.database)
-    if parts.password is None:
-        return settings.database
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    user = userinfo.partition(":")[0]
-    return urlunsplit(parts._replace(netloc=f"{user}@{hosts}"))
+    return without_password(settings.database)[0]
 
 
 def _one_line(output: str) -> str:

@@ -30,12 +30,13 @@ import contextlib
 import functools
 import json
 import logging
+import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 
@@ -118,14 +119,35 @@ def _rows(status: str) -> int:
     return int(status.rpartition(" ")[2] or 0)
 
 
+# libpq and asyncpg also take the password as a query parameter (?password=).
+_QUERY_PASSWORD = re.compile(r"(?<![^&])password=([^&]*)")
+
+
 def redact(url: str) -> str:
     """The URL without its password, for messages and logs."""
+    return _replace_password(url, "***")[0]
+
+
+def without_password(url: str) -> tuple[str, str | None]:
+    """``url`` with no password in it, for a command line; and the password
+    it held (decoded), the one in the user part first, as libpq takes it."""
+    return _replace_password(url, None)
+
+
+def _replace_password(url: str, mask: str | None) -> tuple[str, str | None]:
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rpartition("@")
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
+    in_query = _QUERY_PASSWORD.search(parts.query)
+    if parts.password is None and in_query is None:
+        return url, None
+    password = parts.password if parts.password is not None else in_query and in_query[1]
+    netloc = parts.netloc
+    if parts.password is not None:
+        user = parts.username or ""
+        hosts = netloc.rpartition("@")[2]
+        netloc = f"{user}@{hosts}" if mask is None else f"{user}:{mask}@{hosts}"
+    query = _QUERY_PASSWORD.sub("" if mask is None else f"password={mask}", parts.query)
+    query = "&".join(param for param in query.split("&") if param)
+    return urlunsplit(parts._replace(netloc=netloc, query=query)), unquote(password or "")
 
 
 def _set_event(event: asyncio.Event, *_: object) -> None:

@@ -18,8 +18,9 @@ from pathlib import Path
 from urllib.parse import quote
 
 import asyncpg  # type: ignore[import-untyped]
+import pytest
 
-from service.store.postgres import PostgresStore
+from service.store.postgres import PostgresStore, redact, without_password
 from tests.operability.cli import BIN, Completed, environment, run
 from tests.support.http import request
 from tests.support.leaks import assert_no_secret, make_secret
@@ -75,6 +76,12 @@ async def test_no_password_leaks_when_the_database_refuses_it_or_is_gone(
     refused = await api_refused(in_url, tmp_path) + await run_jobs(in_url)
     assert "password authentication failed" in refused
     assert_no_secret(refused, secrets, "a wrong password in the URL")
+
+    # libpq and asyncpg also take it as a query parameter.
+    in_query = {**base, "TOKO_DATABASE": f"{pg_url}?password={quote(wrong, safe='')}"}
+    refused = await api_refused(in_query, tmp_path) + await run_jobs(in_query)
+    assert "password authentication failed" in refused
+    assert_no_secret(refused, secrets, "a wrong password in the URL's query")
 
     # Nothing listens there. toko-api waits for it (a booting host): its
     # retry line is what there is to see. The other jobs wait as long.
@@ -222,3 +229,31 @@ async def test_pg_dump_and_pg_restore_get_no_password_on_their_command_line(
     assert_no_secret(dump_argv, [password], "pg_dump's command line")
     assert_no_secret(restore_argv, [password], "pg_restore's command line")
     assert_no_secret(printed, [password], "toko-backup's output")
+
+
+@pytest.mark.parametrize(
+    ("url", "shown", "for_tools"),
+    [
+        ("postgresql://toko@db/toko", "postgresql://toko@db/toko", "postgresql://toko@db/toko"),
+        (
+            "postgresql://toko:s%2Fcret@db/toko",
+            "postgresql://toko:***@db/toko",
+            "postgresql://toko@db/toko",
+        ),
+        (
+            "postgresql://toko@db/toko?sslmode=require&password=s%2Fcret",
+            "postgresql://toko@db/toko?sslmode=require&password=***",
+            "postgresql://toko@db/toko?sslmode=require",
+        ),
+        (
+            "postgresql://toko@db1,db2/toko?password=s%2Fcret&connect_timeout=5",
+            "postgresql://toko@db1,db2/toko?password=***&connect_timeout=5",
+            "postgresql://toko@db1,db2/toko?connect_timeout=5",
+        ),
+    ],
+)
+def test_a_password_in_the_url_is_masked_in_messages_and_left_out_for_the_tools(
+    url: str, shown: str, for_tools: str
+) -> None:
+    assert redact(url) == shown
+    assert without_password(url) == (for_tools, "s/cret" if "cret" in url else None)
