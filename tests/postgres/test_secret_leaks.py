@@ -77,6 +77,14 @@ async def test_no_password_leaks_when_the_database_refuses_it_or_is_gone(
     assert "password authentication failed" in refused
     assert_no_secret(refused, secrets, "a wrong password in the URL")
 
+    # A "%" not followed by two hex digits: pg_dump quoted the whole token it
+    # could not decode, password and all, when it had the URL.
+    encoded = quote(wrong, safe="")
+    assert encoded.endswith("%25")
+    mistyped = {**base, "TOKO_DATABASE": with_password(pg_url, wrong).replace("%25@", "%zz@")}
+    printed = await run_jobs(mistyped, (("toko-backup",),))
+    assert "toko-backup" in printed and encoded[:-3] not in printed, "the password leaked"
+
     # libpq and asyncpg also take it as a query parameter.
     in_query = {**base, "TOKO_DATABASE": f"{pg_url}?password={quote(wrong, safe='')}"}
     refused = await api_refused(in_query, tmp_path) + await run_jobs(in_query)
