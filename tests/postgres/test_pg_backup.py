@@ -457,6 +457,28 @@ def _start_backup(workdir: Path, env: dict[str, str], *args: str) -> subprocess.
     )
 
 
+@contextlib.asynccontextmanager
+async def _backup_waiting_mid_dump(
+    cluster: PostgresCluster, url: str, workdir: Path, env: dict[str, str], *args: str
+) -> AsyncIterator[tuple[Any, subprocess.Popen[str]]]:
+    """A toko-backup (with ``args``) held mid-dump by _dump_waits_on_a_lock, once it
+    waits there; yields the holding connection and the process, killed if left running."""
+    async with _dump_waits_on_a_lock(cluster, url) as conn:
+        proc = _start_backup(workdir, env, *args)
+        try:
+            await _until_the_dump_waits(conn, proc)
+            yield conn, proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+async def _stderr_once_ended(proc: subprocess.Popen[str]) -> str:
+    _, err = await asyncio.to_thread(proc.communicate, timeout=60)
+    return err
+
+
 async def test_a_server_gone_mid_dump_fails_in_one_line_and_keeps_the_older_backups(
     tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
 ) -> None:
@@ -465,20 +487,13 @@ async def test_a_server_gone_mid_dump_fails_in_one_line_and_keeps_the_older_back
     env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(folder))
     older = run_tool("toko-backup", tmp_path, env)
     assert older.returncode == 0, older.stderr
-    async with _dump_waits_on_a_lock(pg_cluster, pg_url) as conn:
-        proc = _start_backup(tmp_path, env)
-        try:
-            await _until_the_dump_waits(conn, proc)
-            assert partials(folder)
-            await conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                " WHERE application_name = 'toko-backup'"
-            )
-            _, err = await asyncio.to_thread(proc.communicate, timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    async with _backup_waiting_mid_dump(pg_cluster, pg_url, tmp_path, env) as (conn, proc):
+        assert partials(folder)
+        await conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name = 'toko-backup'"
+        )
+        err = await _stderr_once_ended(proc)
     assert proc.returncode == 1
     # One line, as every failure: pg_dump spreads this one over five.
     (line,) = err.splitlines()
@@ -496,16 +511,9 @@ async def test_a_dump_past_the_units_timeout_is_stopped_with_pg_dump_and_leaves_
     await _seed(pg_cluster, pg_url, 5)
     folder = tmp_path / "backups"
     env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(folder))
-    async with _dump_waits_on_a_lock(pg_cluster, pg_url) as conn:
-        proc = _start_backup(tmp_path, env)
-        try:
-            await _until_the_dump_waits(conn, proc)
-            os.killpg(proc.pid, signal.SIGTERM)
-            _, err = await asyncio.to_thread(proc.communicate, timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    async with _backup_waiting_mid_dump(pg_cluster, pg_url, tmp_path, env) as (_, proc):
+        os.killpg(proc.pid, signal.SIGTERM)
+        err = await _stderr_once_ended(proc)
     assert proc.returncode == 128 + signal.SIGTERM
     assert err.splitlines() == ["toko-backup: stopped by SIGTERM before it finished"]
     assert partials(folder) == []
@@ -525,23 +533,20 @@ async def test_a_restore_whose_safety_dump_fails_leaves_no_dump_named_as_kept(
     assert made.returncode == 0, made.stderr
     await _seed(pg_cluster, pg_url, 2)  # newer than the backup
     before = await dump_rows(pg_cluster, pg_url)
-    async with _dump_waits_on_a_lock(pg_cluster, pg_url) as conn:
-        proc = _start_backup(tmp_path, env, "--restore", printed(made.stdout)[-1])
-        try:
-            await _until_the_dump_waits(conn, proc)
-            assert list(folder.glob("before-restore-*"))  # the safety dump under way
-            if stop == "SIGTERM":
-                os.killpg(proc.pid, signal.SIGTERM)
-            else:
-                await conn.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                    " WHERE application_name = 'toko-backup' AND wait_event_type = 'Lock'"
-                )
-            _, err = await asyncio.to_thread(proc.communicate, timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    restoring = ("--restore", printed(made.stdout)[-1])
+    async with _backup_waiting_mid_dump(pg_cluster, pg_url, tmp_path, env, *restoring) as (
+        conn,
+        proc,
+    ):
+        assert list(folder.glob("before-restore-*"))  # the safety dump under way
+        if stop == "SIGTERM":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            await conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name = 'toko-backup' AND wait_event_type = 'Lock'"
+            )
+        err = await _stderr_once_ended(proc)
     assert proc.returncode == (128 + signal.SIGTERM if stop == "SIGTERM" else 1)
     assert len(err.splitlines()) == 1, err
     assert not list(folder.glob("before-restore-*"))
