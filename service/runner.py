@@ -87,7 +87,10 @@ async def serve(settings: Settings, stop_asked: Callable[[], bool] = _not_asked)
         pool = app[POOL]
         if settings.fault_injection:
             _install_fault_injection(loop, pool, settings)
-        status = await _status_line(app)
+        # Figures the store cannot give now do not undo a start-up that
+        # opened it: ready, saying so, as the status loop would.
+        status_failures = Throttle()  # a store that is down fails every update alike
+        status = await _status_or_unavailable(app, status_failures)
         notifier.ready(status)
         log.info(
             "ready",
@@ -100,7 +103,7 @@ async def serve(settings: Settings, stop_asked: Callable[[], bool] = _not_asked)
             },
         )
         side_tasks = [
-            asyncio.create_task(_status_loop(app, notifier), name="toko-status"),
+            asyncio.create_task(_status_loop(app, notifier, status_failures), name="toko-status"),
             # A store that broke for good (its writer died) fails every write:
             # better a restart by systemd than a service stuck answering 503.
             asyncio.create_task(app[STORE].wait_broken(), name="toko-store"),
@@ -186,16 +189,20 @@ async def _status_line(app: web.Application) -> str:
     return line if cannot_write is None else f"{line}; cannot write: {cannot_write}"
 
 
-async def _status_loop(app: web.Application, notifier: Notifier) -> None:
-    failures = Throttle()  # a store that is down fails every update alike
+async def _status_or_unavailable(app: web.Application, failures: Throttle) -> str:
+    try:
+        return await _status_line(app)
+    except StoreError as exc:
+        # Say so in `systemctl status` rather than leave the last figures there.
+        failures.log(log, logging.ERROR, "status update failed: %s", exc)
+        return f"store unavailable: {exc}"
+
+
+async def _status_loop(app: web.Application, notifier: Notifier, failures: Throttle) -> None:
     while True:
         await asyncio.sleep(STATUS_SECONDS)
         try:
-            status = await _status_line(app)
-        except StoreError as exc:
-            # Say so in `systemctl status` rather than leave the last figures there.
-            status = f"store unavailable: {exc}"
-            failures.log(log, logging.ERROR, "status update failed: %s", exc)
+            status = await _status_or_unavailable(app, failures)
         except Exception as exc:  # a long-lived loop logs and keeps going
             failures.log(log, logging.ERROR, "status update failed: %s", exc)
             continue

@@ -128,6 +128,40 @@ async def test_health_answers_in_time_while_the_store_hangs(
     assert await asyncio.wait_for(api.async_wait_exit(timeout=30), 40) == 0
 
 
+async def test_a_store_that_hangs_at_ready_is_reported_not_fatal(
+    service_factory: ServiceFactory, pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    # The store opened and the pool started, but the queue figures of READY's
+    # STATUS= did not come in time (the jobs table locked by maintenance): the
+    # process exited 1 "cannot start: the store did not answer within 5 s",
+    # and went on doing so at every restart while the lock was held, where a
+    # running toko-api stays up, answers 503 and says "store unavailable".
+    first = service_factory(pg_env(pg_cluster, pg_url)).start()
+    await first.async_wait_ready(timeout=30)  # the schema, so the lock has a table
+    first.terminate()
+    assert await first.async_wait_exit(timeout=30) == 0
+    locker = await pg_cluster.connect(pg_url.rsplit("/", 1)[1])
+    try:
+        locked = locker.transaction()
+        await locked.start()
+        await locker.execute("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE")
+        api = service_factory(pg_env(pg_cluster, pg_url)).start()
+        ready = await api.async_wait_ready(timeout=30)
+        said = f"store unavailable: the store did not answer within {HEALTH_READ_SECONDS:g} s"
+        assert ready.get("STATUS") == said, ready
+        client_gives_up = aiohttp.ClientTimeout(total=HEALTH_READ_SECONDS + 3)
+        async with aiohttp.ClientSession(timeout=client_gives_up) as session:
+            status, health = await healthz(session, api.base_url)
+            assert (status, health["error"]) == (503, "storage is unavailable"), health
+            await locked.rollback()
+            await wait_healthy(session, api.base_url, timeout=15)
+    finally:
+        await locker.close()
+    assert api.returncode is None
+    api.terminate()
+    assert await asyncio.wait_for(api.async_wait_exit(timeout=30), 40) == 0
+
+
 async def test_a_stop_while_the_database_is_silent_ends_before_systemd_kills(
     service_factory: ServiceFactory,
     pg_cluster: PostgresCluster,
