@@ -260,6 +260,51 @@ async def test_a_write_that_stored_no_job_gives_its_slot_back(
     pool.dispatch(None)
 
 
+async def test_a_post_cancelled_after_its_leased_job_committed_frees_its_slot(
+    store: Store,
+    clock: FakeClock,
+    make_pool: Callable[..., WorkerPool],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # aiohttp cancels handlers still running at shutdown, and SQLite's writer
+    # commits a cancelled write all the same: the job is stored leased to a
+    # pool that never heard of it. Its slot must come back, and the job must
+    # run once its lease is up (the claimer does not hold it; with SQLite, at
+    # the next start already), not be lost.
+    ran, handler = signalling_handler()
+    pool = make_pool(handler, clock=clock, workers=1)
+    await start_parked(pool, store, monkeypatch)
+    committed: list[int] = []
+    both_committed = asyncio.Event()
+
+    async def write_then_get_cancelled(leased_for: float | None) -> tuple[None, Job]:
+        assert leased_for is not None  # a slot was promised
+        committed.append(await store.enqueue(NewJob("k", {}, 3, leased_for=leased_for)))
+        if len(committed) == 2:
+            both_committed.set()
+        await asyncio.Event().wait()  # the handler is cancelled before it answers
+        raise AssertionError("not reached")
+
+    posts = [asyncio.create_task(pool.enqueue_here(write_then_get_cancelled)) for _ in range(2)]
+    async with asyncio.timeout(5):
+        await both_committed.wait()
+    for post in posts:
+        post.cancel()
+    for post in posts:
+        with pytest.raises(asyncio.CancelledError):
+            await post
+    assert [pool.reserve(), pool.reserve()] == [pool._config.lease_seconds] * 2, (
+        "both slots came back"
+    )
+    pool.dispatch(None)
+    pool.dispatch(None)
+    assert not ran.is_set() and not pool._held
+    clock.now += pool._config.lease_seconds + 1
+    pool.notify()
+    for job_id in committed:
+        assert (await wait_state(store, job_id, "done")).attempts == 2
+
+
 async def test_a_store_that_stays_down_is_logged_once_per_interval_by_the_claimer(
     store: Store,
     make_pool: Callable[..., WorkerPool],
