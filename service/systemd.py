@@ -40,24 +40,31 @@ class Notifier:
             _SEND_FAILURES.log(log, logging.WARNING, "could not notify systemd: %s", exc)
 
     def ready(self, status: str) -> None:
-        self.send("READY=1", f"STATUS={status}")
+        self.send("READY=1", _status(status))
 
     def status(self, status: str) -> None:
-        self.send(f"STATUS={status}")
+        self.send(_status(status))
 
     def watchdog(self) -> None:
         self.send("WATCHDOG=1")
 
     def stopping(self, status: str) -> None:
-        self.send("STOPPING=1", f"STATUS={status}")
+        self.send("STOPPING=1", _status(status))
 
     def extend_timeout(self, seconds: float, status: str) -> None:
-        self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}", f"STATUS={status}")
+        self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}", _status(status))
 
     def close(self) -> None:
         if self._notifier is not None and self._notifier.socket is not None:
             self._notifier.socket.close()
         self._notifier = None
+
+
+def _status(text: str) -> str:
+    """``STATUS=text`` on one line: each line of a notify message is an
+    assignment, so an error's line break would start another (even a
+    ``WATCHDOG=1``) and cut the status short."""
+    return "STATUS=" + " ".join(text.splitlines())
 
 
 class SocketActivationError(Exception):

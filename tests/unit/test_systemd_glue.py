@@ -56,6 +56,19 @@ def test_a_status_in_any_script_arrives_as_utf8_with_its_ready(
     notifier.close()
 
 
+def test_a_status_with_line_breaks_is_one_assignment(
+    notify_socket: tuple[str, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A store error's text goes into STATUS=; a line break in it started
+    # another assignment of the notify message.
+    path, sock = notify_socket
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    notifier = Notifier(path)
+    notifier.status("store unavailable: failed\nWATCHDOG=1\r\ndetail")
+    notifier.close()
+    assert sock.recv(4096) == b"STATUS=store unavailable: failed WATCHDOG=1 detail"
+
+
 def test_notifier_is_a_no_op_outside_systemd() -> None:
     notifier = Notifier(None)
     assert not notifier.enabled
