@@ -6,16 +6,20 @@ import asyncio
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from service.store.sqlite import SqliteStore
 from tests.support.service import clean_environment
 
 BIN = Path(sys.executable).parent
@@ -100,3 +104,30 @@ def mount_tmpfs(where: Path, options: str) -> Iterator[Path]:
         yield where
     finally:
         subprocess.run(["umount", "--lazy", where], check=False)
+
+
+async def padded_toko_database(path: Path, pages: int) -> Path:
+    """A toko database at ``path`` with ``pages`` extra 4 KB blobs in a table of
+    its own: as large as a test of copying it needs, checkpointed into one file."""
+    store = SqliteStore(str(path))
+    await store.open()
+    await store.close()
+    with closing(sqlite3.connect(path)) as conn:
+        conn.execute("CREATE TABLE pad (b BLOB)")
+        conn.execute(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?)"
+            " INSERT INTO pad SELECT zeroblob(4000) FROM n",
+            (pages,),
+        )
+        conn.commit()
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return path
+
+
+async def utc_today() -> date:
+    """Today (UTC, the zone the runs get), far enough from midnight for a test's runs."""
+    now = datetime.now(UTC)
+    to_midnight = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), UTC) - now
+    if to_midnight < timedelta(seconds=20):
+        await asyncio.sleep(to_midnight.total_seconds() + 0.5)
+    return datetime.now(UTC).date()

@@ -8,30 +8,19 @@ script; the full and the read-only disks are real tmpfs mounts (root).
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Iterator
-from contextlib import closing
 from pathlib import Path
 
 import pytest
 
 from jobs import backup
-from service.store.sqlite import SqliteStore
-from tests.operability.cli import mount_tmpfs, partials, run
+from tests.operability.cli import mount_tmpfs, padded_toko_database, partials, run
 
 
 @pytest.fixture
 async def database(tmp_path: Path) -> Path:
     """A toko database of about 800 KiB: more than the small disk below holds."""
-    path = tmp_path / "toko.db"
-    store = SqliteStore(str(path))
-    await store.open()
-    await store.close()
-    with closing(sqlite3.connect(path)) as conn:
-        conn.execute("CREATE TABLE pad (b BLOB)")
-        conn.executemany("INSERT INTO pad VALUES (zeroblob(4000))", [()] * 200)
-        conn.commit()
-    return path
+    return await padded_toko_database(tmp_path / "toko.db", 200)
 
 
 @pytest.fixture

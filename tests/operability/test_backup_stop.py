@@ -11,34 +11,19 @@ exists, so each signal lands mid-copy however fast the machine is.
 from __future__ import annotations
 
 import signal
-import sqlite3
 import subprocess
 from collections.abc import Iterator
-from contextlib import closing
 from pathlib import Path
 
 import pytest
 
 from jobs import backup
-from service.store.sqlite import SqliteStore
-from tests.operability.cli import BIN, environment, freeze_mid_copy, partials
+from tests.operability.cli import BIN, environment, freeze_mid_copy, padded_toko_database, partials
 
 
 @pytest.fixture
 async def database(tmp_path: Path) -> Path:
-    path = tmp_path / "toko.db"
-    store = SqliteStore(str(path))
-    await store.open()
-    await store.close()
-    with closing(sqlite3.connect(path)) as conn:
-        conn.execute("CREATE TABLE pad (b BLOB)")
-        conn.execute(
-            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 25000)"
-            " INSERT INTO pad SELECT zeroblob(4000) FROM n"
-        )
-        conn.commit()
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    return path
+    return await padded_toko_database(tmp_path / "toko.db", 25000)
 
 
 @pytest.fixture

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-from datetime import UTC, date, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
 from service.store.sqlite import SqliteStore
-from tests.operability.cli import run
+from tests.operability.cli import run, utc_today
 from tests.support import db
 
 
@@ -40,15 +39,6 @@ async def new_database(path: Path) -> None:
     store = SqliteStore(str(path))
     await store.open()
     await store.close()
-
-
-async def utc_today() -> date:
-    """Today (UTC, the zone the runs get), far enough from midnight for a test's runs."""
-    now = datetime.now(UTC)
-    to_midnight = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), UTC) - now
-    if to_midnight < timedelta(seconds=20):
-        await asyncio.sleep(to_midnight.total_seconds() + 0.5)
-    return datetime.now(UTC).date()
 
 
 async def test_recap_refuses_a_day_that_has_not_ended(tmp_path: Path) -> None:

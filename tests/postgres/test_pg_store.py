@@ -12,7 +12,7 @@ import contextlib
 import logging
 import random
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -426,14 +426,13 @@ async def test_a_call_that_times_out_is_not_tried_again(
         await store.close()
 
 
-async def test_an_idempotency_key_stored_by_another_host_meanwhile_is_answered(
-    hosts: list[PostgresStore], pg_cluster: PostgresCluster, pg_url: str
-) -> None:
-    # Another host's insert of the key is in flight (uncommitted) when this
-    # host looks: this host's insert waits on the unique index, then fails as
-    # a whole when the other commits. It must look again and answer with the
-    # other's product, not refuse the request.
-    other = await pg_cluster.connect(pg_url.rsplit("/", 1)[1])
+@contextlib.asynccontextmanager
+async def _key_stored_by_another_host(
+    cluster: PostgresCluster, url: str
+) -> AsyncIterator[tuple[int, Callable[[], Awaitable[None]]]]:
+    """Another host's insert of the key order-9 ('Kopi', 1), not committed yet:
+    yields its product id and the commit to call."""
+    other = await cluster.connect(url.rsplit("/", 1)[1])
     try:
         tx = other.transaction()
         await tx.start()
@@ -441,12 +440,23 @@ async def test_an_idempotency_key_stored_by_another_host_meanwhile_is_answered(
             "INSERT INTO products (nama, harga, created_at, idempotency_key)"
             " VALUES ('Kopi', 1, 0, 'order-9') RETURNING id"
         )
-        write = asyncio.create_task(hosts[0].create_product("Kopi", 1, email_job, "order-9"))
-        await waiting_on_a_lock(pg_cluster, pg_url, "INSERT INTO products")
-        await tx.commit()
-        product, job_id = await write
+        yield other_id, tx.commit
     finally:
         await other.close()
+
+
+async def test_an_idempotency_key_stored_by_another_host_meanwhile_is_answered(
+    hosts: list[PostgresStore], pg_cluster: PostgresCluster, pg_url: str
+) -> None:
+    # Another host's insert of the key is in flight (uncommitted) when this
+    # host looks: this host's insert waits on the unique index, then fails as
+    # a whole when the other commits. It must look again and answer with the
+    # other's product, not refuse the request.
+    async with _key_stored_by_another_host(pg_cluster, pg_url) as (other_id, commit):
+        write = asyncio.create_task(hosts[0].create_product("Kopi", 1, email_job, "order-9"))
+        await waiting_on_a_lock(pg_cluster, pg_url, "INSERT INTO products")
+        await commit()
+        product, job_id = await write
     assert (product.id, job_id) == (other_id, None)
     assert await fetch(pg_cluster, pg_url, "SELECT count(*) FROM products") == [(1,)]
     assert await fetch(pg_cluster, pg_url, "SELECT count(*) FROM jobs") == [(0,)]
@@ -463,26 +473,17 @@ async def test_a_key_stored_meanwhile_leaves_the_rest_of_its_batch_as_it_was(
     def broken_job(product: Product) -> NewJob:
         raise ValueError("no job for this product")
 
-    other = await pg_cluster.connect(pg_url.rsplit("/", 1)[1])
-    try:
-        tx = other.transaction()
-        await tx.start()
-        other_id = await other.fetchval(
-            "INSERT INTO products (nama, harga, created_at, idempotency_key)"
-            " VALUES ('Kopi', 1, 0, 'order-9') RETURNING id"
-        )
-        store = hosts[0]
+    store = hosts[0]
+    async with _key_stored_by_another_host(pg_cluster, pg_url) as (other_id, commit):
         keyed = asyncio.create_task(store.create_product("Kopi", 1, email_job, "order-9"))
         broken = asyncio.create_task(store.create_product("Teh", 2, broken_job))
         gone = asyncio.create_task(store.create_product("Gula", 3, email_job))
         plain = asyncio.create_task(store.create_product("Susu", 4, email_job))
         await waiting_on_a_lock(pg_cluster, pg_url, "INSERT INTO products")
         gone.cancel()
-        await tx.commit()
+        await commit()
         product, job_id = await keyed
         stored, stored_job_id = await plain
-    finally:
-        await other.close()
     assert (product.id, job_id) == (other_id, None)
     with pytest.raises(ValueError, match="no job for this product"):
         await broken

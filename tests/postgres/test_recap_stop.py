@@ -15,7 +15,7 @@ import asyncio
 import signal
 import time
 from collections.abc import AsyncIterator
-from datetime import UTC, date, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
 import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
@@ -24,20 +24,12 @@ import pytest
 from service.models import NewJob
 from service.store.pg_migrations import RECAP_LOCK_CLASS
 from service.store.postgres import PostgresStore
+from tests.operability.cli import utc_today
 from tests.postgres.conftest import clean_env, pg_env, run_tool, tool_command
 from tests.support.postgres import PostgresCluster, fetch
 from tests.support.service import free_port
 
 STOPPED = "toko-recap: stopped by SIGTERM before it finished"
-
-
-async def utc_today() -> date:
-    """Today (UTC, the zone the runs get), far enough from midnight for a test's runs."""
-    now = datetime.now(UTC)
-    to_midnight = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), UTC) - now
-    if to_midnight < timedelta(seconds=20):
-        await asyncio.sleep(to_midnight.total_seconds() + 0.5)
-    return datetime.now(UTC).date()
 
 
 async def start_recap(tmp_path: Path, env: dict[str, str]) -> asyncio.subprocess.Process:
