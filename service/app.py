@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 
-from aiohttp import hdrs, web
+from aiohttp import web
 
 from service.auth import bearer_auth
-from service.errors import json_errors, json_router_errors
+from service.errors import close_after, json_errors, json_router_errors
+from service.expect import close_if_body_withheld
 from service.health import HealthReads
 from service.keys import (
     HEALTH,
@@ -65,6 +66,7 @@ def create_app(settings: Settings, notifier: Notifier | None = None) -> web.Appl
     app[HTTP_STATE] = HttpState()
     app.on_response_prepare.append(_close_connections_when_draining)
     app.on_response_prepare.append(json_router_errors)
+    app.on_response_prepare.append(close_if_body_withheld)
     app[NOTIFIER] = notifier or Notifier(None)
     app.add_routes(routes)
     app.cleanup_ctx.append(_store_ctx)
@@ -76,11 +78,7 @@ async def _close_connections_when_draining(
     request: web.Request, response: web.StreamResponse
 ) -> None:
     if request.app[HTTP_STATE].draining:
-        response.force_close()
-        # aiohttp has chosen the Connection header by now (before this signal):
-        # without saying so, the client would send its next request on a
-        # connection that closes after this answer, and get no answer to it.
-        response.headers[hdrs.CONNECTION] = "close"
+        close_after(response)
 
 
 async def _store_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -62,6 +62,17 @@ class Refused(Exception):
         self.response = response
 
 
+def close_after(response: web.StreamResponse) -> None:
+    """Close the connection after ``response``, from an on_response_prepare hook.
+
+    aiohttp has chosen the Connection header by then: without saying so, the
+    client would send its next request on a connection that closes after this
+    answer, and get no answer to it.
+    """
+    response.force_close()
+    response.headers[hdrs.CONNECTION] = "close"
+
+
 def abandon_body(request: web.Request, response: web.Response) -> web.Response:
     """Answer without reading the rest of the body, and close the connection.
 

@@ -9,6 +9,7 @@ import zlib
 from aiohttp import hdrs, web
 
 from service.errors import Refused, abandon_body, body_too_large, json_error
+from service.expect import continue_if_awaited, continue_later
 from service.keys import HEALTH, METRICS, POOL, SETTINGS, STORE
 from service.models import Job, NewJob, Product, stored_job
 from service.openapi import openapi_document
@@ -37,7 +38,7 @@ IDEMPOTENCY_KEY = "Idempotency-Key"
 REPLAYED = "Idempotent-Replayed"
 
 
-@routes.post("/produk")
+@routes.post("/produk", expect_handler=continue_later)
 async def create_product(request: web.Request) -> web.Response:
     key = idempotency_key(request.headers.getall(IDEMPOTENCY_KEY, ()))
     data = parse_json_object(await _json_body(request))
@@ -115,6 +116,9 @@ async def _json_body(request: web.Request) -> bytes:
     # TOKO_CLIENT_TIMEOUT, so a client trickling it cannot hold a handler forever.
     if request.content.is_eof():
         return decoded_body(await request.read(), coding, limit)
+    # Every check that needs no body has passed (the token's too, in its
+    # middleware): only now is a client that waits for it asked to send it.
+    await continue_if_awaited(request)
     timeout = request.app[SETTINGS].client_timeout
     try:
         async with asyncio.timeout(timeout):
