@@ -32,6 +32,7 @@ JSON_TYPES = {"application/json"}
 # What a body may be sent in (decoded_body); any other is refused, not read as
 # plain bytes.
 BODY_CODINGS = {"gzip", "deflate", "identity", ""}
+GZIP_MAGIC = b"\x1f\x8b"
 # A client that repeats a POST with the same key gets the first answer again
 # (draft-ietf-httpapi-idempotency-key-header); the replay is marked as such.
 IDEMPOTENCY_KEY = "Idempotency-Key"
@@ -152,6 +153,19 @@ def decoded_body(body: bytes, coding: str, limit: int) -> bytes:
         wbits = -zlib.MAX_WBITS
     else:
         wbits = zlib.MAX_WBITS
+    data, rest = _decoded_member(body, coding, wbits, limit)
+    # gzip data may be several members one after another, each with its own
+    # trailer (RFC 1952, 2.2: what `cat a.gz b.gz` makes); they decode joined.
+    while coding == "gzip" and rest.startswith(GZIP_MAGIC):
+        more, rest = _decoded_member(rest, coding, wbits, limit - len(data))
+        data += more
+    if rest:
+        raise InvalidInput(f"the request body goes on after the end of the {coding} data")
+    return data
+
+
+def _decoded_member(body: bytes, coding: str, wbits: int, limit: int) -> tuple[bytes, bytes]:
+    """The data of the compressed stream ``body`` starts with, and what follows it."""
     decoder = zlib.decompressobj(wbits)
     try:
         data = decoder.decompress(body, limit + 1)
@@ -163,9 +177,7 @@ def decoded_body(body: bytes, coding: str, limit: int) -> bytes:
         raise InvalidInput(
             f"the {coding} body is incomplete: it ends before its compressed data does"
         )
-    if decoder.unused_data:
-        raise InvalidInput(f"the request body goes on after the end of the {coding} data")
-    return data
+    return data, decoder.unused_data
 
 
 @routes.get("/produk")

@@ -179,6 +179,13 @@ CASES = [
         says="after the end of the gzip data",
     ),
     Case(
+        "gzip-second-member-cut-short",
+        400,
+        gzip.compress(_body({"nama": "Kopi", "harga": 1})) + gzip.compress(b" ")[:-8],
+        headers={**JSON, "Content-Encoding": "gzip"},
+        says="the gzip body is incomplete",
+    ),
+    Case(
         "deflate-without-checksum",
         400,
         zlib.compress(_body({"nama": "Kopi", "harga": 1}))[:-4],
