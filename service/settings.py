@@ -506,7 +506,13 @@ class _SecretTooLong(Exception):
 
 
 def _read_secret(path: Path) -> bytes:
-    with path.open("rb") as file:
+    # O_NONBLOCK for the open only: opening a FIFO that no process writes to
+    # waited for a writer for ever, start-up hanging without a word. Opened
+    # so, it reads as empty and is refused as such; a pipe with a writer (a
+    # shell's <(...)) is then read as usual.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    os.set_blocking(fd, True)
+    with open(fd, "rb") as file:
         data = file.read(_SECRET_MAX_BYTES + 1)
     if len(data) > _SECRET_MAX_BYTES:
         raise _SecretTooLong

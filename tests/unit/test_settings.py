@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -274,6 +275,37 @@ def test_a_secret_file_that_cannot_be_a_secret_is_one_line(path: str, problem: s
     message = str(info.value)
     assert message.startswith("TOKO_API_TOKEN_FILE: ") and problem in message
     assert "\n" not in message
+
+
+def test_a_fifo_no_process_writes_to_is_refused_not_waited_for(tmp_path: Path) -> None:
+    fifo = tmp_path / "api-token"
+    os.mkfifo(fifo)
+    with ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(Settings.from_env, {"TOKO_API_TOKEN_FILE": str(fifo)})
+        try:
+            # Opening it waited for a writer for ever: start-up hung without a word.
+            with pytest.raises(ConfigError, match="is empty"):
+                reading.result(timeout=10)
+        finally:
+            if not reading.done():  # let the blocked open go, so the test can end
+                os.close(os.open(fifo, os.O_WRONLY))
+
+
+def test_a_pipe_is_read_once_its_writer_has_written() -> None:
+    # As a shell's TOKO_API_TOKEN_FILE=<(pass show toko) hands it over.
+    read_end, write_end = os.pipe()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            path = f"/proc/self/fd/{read_end}"
+            reading = pool.submit(Settings.from_env, {"TOKO_API_TOKEN_FILE": path})
+            os.write(write_end, b"tok-from-a-pipe\n")
+            os.close(write_end)
+            write_end = -1
+            assert reading.result(timeout=10).api_token == "tok-from-a-pipe"
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
 
 
 def test_a_credentials_directory_no_file_can_be_in_is_a_config_error() -> None:
