@@ -17,7 +17,9 @@ class InstanceLocked(RuntimeError):
 
 
 def lock_path(database: str) -> Path:
-    return Path(database + ".lock")
+    # Beside the file itself: a second toko-api given another path to it (a
+    # symbolic link to the file or to its folder) must meet the same lock.
+    return Path(os.path.realpath(database) + ".lock")
 
 
 class InstanceLock:

@@ -319,6 +319,31 @@ async def test_sighup_is_logged_and_ignored(service_factory: ServiceFactory) -> 
     assert await svc.async_wait_exit(timeout=15) == 0
 
 
+async def test_a_second_toko_api_on_the_same_database_file_is_refused(
+    service_factory: ServiceFactory, tmp_path: Path
+) -> None:
+    # Start-up puts back the jobs left "running" as a dead process's: a second
+    # toko-api on the file would take the first one's running jobs and send
+    # their emails again. A symbolic link names the same file by another path.
+    first = service_factory().start()
+    await first.async_wait_ready(timeout=20)
+    link = tmp_path / "link.db"
+    link.symlink_to(first.database)
+    for path in (first.database, link):
+        second = service_factory(database=path).start()
+        assert await second.async_wait_exit(timeout=15) == 1, (path, second.output_tail())
+        (line,) = second.stderr.snapshot()
+        assert line.startswith("toko-api: another toko-api uses this database: "), line
+        assert f"held by pid {first.pid}" in line, line
+        assert second.notify is not None
+        second.notify.flush()
+        assert second.notify.first("READY") is None
+    async with aiohttp.ClientSession() as session:
+        await create_product(session, first.base_url, "still served", 1)
+    first.terminate()
+    assert await first.async_wait_exit(timeout=15) == 0
+
+
 async def test_drain_timeout_leaves_the_job_for_the_next_start(
     service_factory: ServiceFactory, smtp: SmtpServer
 ) -> None:
