@@ -16,17 +16,31 @@ def test_defaults_need_no_configuration() -> None:
     assert s.database == "var/toko.db"
     assert s.smtp is None
     assert s.admin_emails == ("admin@toko.com",)
+    assert s.mail_from == "toko@localhost"
     assert s.workers == 3
+    # The README's "4.6 to 9 hours of retries" rests on these two.
+    assert (s.job_max_attempts, s.job_backoff) == (20, 2.0)
+    assert s.job_timeout == 30.0
     assert s.drain_timeout == 10.0
     assert s.client_timeout == 75.0
+    assert s.log_level == "INFO"
+    assert s.api_token is None
     assert s.watchdog_interval is None
     assert s.backup_dir == "var/backups"
+    assert s.backup_keep == 7
+    assert s.job_retention == 7 * 86400
 
 
 def test_state_directory_holds_the_database_and_backups() -> None:
     s = Settings.from_env({"STATE_DIRECTORY": "/var/lib/toko"})
     assert s.database == "/var/lib/toko/toko.db"
     assert s.backup_dir == "/var/lib/toko/backups"
+
+
+def test_backups_go_beside_a_database_named_elsewhere() -> None:
+    environ = {"STATE_DIRECTORY": "/var/lib/toko", "TOKO_DATABASE": "/srv/shop/toko.db"}
+    s = Settings.from_env(environ)
+    assert s.backup_dir == "/srv/shop/backups"
 
 
 @pytest.mark.parametrize(
@@ -136,6 +150,16 @@ def test_smtp_host_names_and_addresses_are_taken(url: str, host: str) -> None:
     smtp = Settings.from_env({"TOKO_SMTP_URL": url}).smtp
     assert smtp is not None
     assert smtp.host == host
+
+
+@pytest.mark.parametrize(
+    ("url", "port"),
+    [("smtp://mail.example.com", 25), ("smtps://mail.example.com", 465), ("smtp://[::1]", 25)],
+)
+def test_smtp_port_defaults_to_the_schemes(url: str, port: int) -> None:
+    smtp = Settings.from_env({"TOKO_SMTP_URL": url}).smtp
+    assert smtp is not None
+    assert smtp.port == port
 
 
 def test_smtp_url_and_password_from_credentials(tmp_path: Path) -> None:

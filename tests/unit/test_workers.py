@@ -669,6 +669,15 @@ def test_default_retries_outlast_a_mail_outage_of_hours() -> None:
     assert shortest > 4 * 3600, shortest
 
 
+def test_a_lease_is_twice_the_job_timeout_and_30_s_90_s_by_default() -> None:
+    # Another PostgreSQL host takes over a dead host's job once its lease is
+    # over: the README tells admins how long that is.
+    settings = Settings.from_env({})
+    config = PoolConfig(workers=settings.workers, job_timeout=settings.job_timeout)
+    assert config.lease_seconds == 90
+    assert PoolConfig(workers=1, job_timeout=5.0).lease_seconds == 40
+
+
 class PausedClaims:
     """The real store, with each claim held at a gate: stop() must come mid-claim."""
 
