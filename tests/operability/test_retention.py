@@ -105,6 +105,26 @@ async def test_purge_works_in_chunks(tmp_path: Path) -> None:
         await store.close()
 
 
+async def test_retention_counts_from_when_a_job_was_done_not_queued(tmp_path: Path) -> None:
+    # A job queued long ago and done lately (an admin's retry of a failed one)
+    # is a recent delivery: its row is what an admin looks for this week.
+    clock = Clock(1_000_000.0)
+    store = SqliteStore(str(tmp_path / "toko.db"), clock=clock)
+    await store.open()
+    try:
+        late = await store.enqueue(NewJob("k", {}, max_attempts=1))
+        await job_in_state(store, clock, 1_000_000.0, "pending", "k")  # the newest, kept anyway
+        clock.now = 1_000_000.0 + 30 * DAY
+        (claimed, _) = await store.claim(2, 60)
+        assert claimed.id == late
+        await store.complete([claimed])
+        assert await store.purge_done(clock.now - 7 * DAY) == 0
+        assert await store.purge_done(clock.now + 1) == 1
+        assert await store.get_job(late) is None
+    finally:
+        await store.close()
+
+
 async def test_purge_keeps_the_newest_job_so_no_id_is_given_twice(tmp_path: Path) -> None:
     # A job's id makes its email's Message-ID; SQLite numbers a new row one
     # past the largest id, so purging the newest would hand its id on.
