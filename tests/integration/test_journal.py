@@ -1,0 +1,122 @@
+"""Logging to a journald that stops reading: toko-api goes on serving, and says what it lost.
+
+toko-api runs in a mount namespace of its own whose /run/systemd/journal is a
+directory of the test's, so its journal socket is a datagram socket the test
+holds, and JOURNAL_STREAM names its stdout as systemd would. Until the test
+reads it, the socket is journald stopped with SIGSTOP: its queue fills after a
+few entries and stays full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.conftest import ServiceFactory
+from tests.support import db
+from tests.support.api import create_product, create_products, wait_healthy
+from tests.support.service import TOKO_API
+
+pytestmark = pytest.mark.root
+
+WATCHDOG_USEC = 1_000_000  # WATCHDOG=1 every 0.5 s while the loop runs
+
+
+@pytest.fixture
+def journal_dir() -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.fail(
+            "a mount namespace for the journal socket needs root (deselect with -m 'not root')",
+            pytrace=False,
+        )
+    # AF_UNIX paths are limited to ~107 bytes; pytest's tmp_path can be longer.
+    path = Path(tempfile.mkdtemp(prefix="toko-journal-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def under_journald(journal_dir: Path, tmp_path: Path) -> Path:
+    """A toko-api whose journal socket is ``journal_dir/socket``, stdout the journal stream."""
+    wrapper = tmp_path / "toko-api-under-journald"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        "exec unshare --mount --propagation private sh -c '"
+        "mount -t tmpfs toko-test /run && mkdir -p /run/systemd/journal"
+        f" && mount --bind {journal_dir} /run/systemd/journal"
+        ' && exec 3>&1 && export JOURNAL_STREAM="$(stat -L -c %d:%i /proc/self/fd/3)"'
+        ' && exec "$0" "$@"\' '
+        f'{TOKO_API} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def parse(data: bytes) -> dict[str, str]:
+    """One entry (simple KEY=value lines, as toko's are here)."""
+    return {
+        key: value for key, _, value in (ln.partition("=") for ln in data.decode().splitlines())
+    }
+
+
+async def read_entries(sock: socket.socket, entries: list[dict[str, str]]) -> None:
+    """journald reading again: every entry that arrives, until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        entries.append(parse(await loop.sock_recv(sock, 1 << 20)))
+
+
+async def test_a_journald_that_stops_reading_holds_up_log_lines_not_requests(
+    service_factory: ServiceFactory, journal_dir: Path, tmp_path: Path
+) -> None:
+    journald = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    journald.setblocking(False)
+    journald.bind(str(journal_dir / "socket"))
+    entries: list[dict[str, str]] = []
+    with journald:
+        svc = service_factory(
+            watchdog_usec=WATCHDOG_USEC, executable=under_journald(journal_dir, tmp_path)
+        ).start()
+        await svc.async_wait_ready(timeout=20)
+        assert svc.notify is not None
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            # Each product's email is a log line ("email logged"): far more
+            # than the socket's queue holds. With a blocking send the first
+            # line that did not fit froze the event loop: no answer, and no
+            # WATCHDOG=1, until systemd killed the process.
+            names = [f"Teh {n}" for n in range(200)]
+            await create_products(session, svc.base_url, names)
+            await wait_healthy(
+                session, svc.base_url, timeout=15, check=lambda b: b["queue"]["done"] == 200
+            )
+            # The loop still runs: it still pings the watchdog.
+            await svc.notify.async_wait_for_field("WATCHDOG", timeout=5, since=time.monotonic())
+            assert db.job_states(svc.database) == {"done": 200}
+            assert svc.stderr.snapshot() == []  # no "--- Logging error ---" tracebacks
+
+            # journald reads again: the lines held back follow, then new ones.
+            reader = asyncio.create_task(read_entries(journald, entries))
+            product = await create_product(session, svc.base_url, "Kopi", 100)
+            await wait_healthy(
+                session, svc.base_url, timeout=15, check=lambda b: b["queue"]["done"] == 201
+            )
+            # The log line comes after the job is done; no event tells when.
+            for _ in range(100):
+                if any(e.get("PRODUCT_ID") == str(product["id"]) for e in entries):
+                    break
+                await asyncio.sleep(0.05)
+            reader.cancel()
+    emails = [e for e in entries if e.get("MESSAGE") == "email logged"]
+    assert {e["SUBJECT"] for e in emails} == {f"Produk baru: {n}" for n in [*names, "Kopi"]}
+    assert len(emails) == 201
+    assert emails[-1]["PRODUCT_ID"] == str(product["id"])
+    assert emails[-1]["SYSLOG_IDENTIFIER"] == "toko-api"
+    assert not [e for e in entries if "DROPPED" in e]
