@@ -36,16 +36,13 @@ from service.mail import message_id
 from tests.conftest import ServiceFactory
 from tests.support import db
 from tests.support.api import wait_healthy
-from tests.support.http import build_request
+from tests.support.crash_loop import MAIL_FROM, REFUSED, Answer, Post, behave, hang_up, send
 from tests.support.service import ServiceProcess
 from tests.support.smtp import SmtpServer
 
 SEEDS = range(int(os.environ.get("TOKO_CRASH_SEEDS", "1")))
 CYCLES = int(os.environ.get("TOKO_CRASH_CYCLES", "4"))
 WORKERS = 3
-MAIL_FROM = "toko@toko.test"
-# Products whose name holds this are refused for good (550) by the SMTP server.
-REFUSED = "TOLAK"
 ENV = {
     "TOKO_WORKERS": str(WORKERS),
     "TOKO_MAIL_FROM": MAIL_FROM,
@@ -59,18 +56,6 @@ ENV = {
 }
 
 # -- the plan ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Post:
-    """One POST a client makes. ``hang_up``: "" (waits for the answer),
-    "after" (sends it whole, then closes unread) or "during" (closes
-    halfway through the body: must store nothing)."""
-
-    nama: str
-    harga: int
-    key: str | None = None
-    hang_up: str = ""
 
 
 @dataclass(frozen=True)
@@ -123,14 +108,6 @@ def _draw_post(rng: random.Random, name: str, keyed: list[Post]) -> Post:
 
 
 # -- what happened -------------------------------------------------------------
-
-
-@dataclass
-class Answer:
-    post: Post
-    status: int | None  # None: no answer (the process died, or we hung up)
-    body: Any = None
-    replayed: bool = False
 
 
 @dataclass
@@ -202,19 +179,6 @@ async def switch_smtp(
         record.dropped_connections += behave(smtp, action, argument)
 
 
-def behave(smtp: SmtpServer, action: str, argument: float) -> int:
-    """Switch the SMTP server; the connections it dropped."""
-    if action == "drop":
-        return smtp.drop_connections()
-    smtp.reset()
-    smtp.refuse_subject(REFUSED)
-    if action == "slow":
-        smtp.set_delay(argument)
-    elif action == "defer":
-        smtp.fail_next(1 + int(argument * 5))
-    return 0
-
-
 async def run_client(svc: ServiceProcess, posts: list[Post], record: Record) -> None:
     timeout = aiohttp.ClientTimeout(total=15)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -224,36 +188,6 @@ async def run_client(svc: ServiceProcess, posts: list[Post], record: Record) -> 
                 record.answers.append(Answer(post, None))
                 continue
             record.answers.append(await send(session, svc, post))
-
-
-async def send(session: aiohttp.ClientSession, svc: ServiceProcess, post: Post) -> Answer:
-    headers = {"Idempotency-Key": post.key} if post.key else {}
-    try:
-        async with session.post(
-            svc.url("/produk"), json={"nama": post.nama, "harga": post.harga}, headers=headers
-        ) as resp:
-            body = await resp.json()
-            replayed = resp.headers.get("Idempotent-Replayed") == "true"
-            return Answer(post, resp.status, body, replayed)
-    except (aiohttp.ClientConnectionError, aiohttp.ContentTypeError):
-        return Answer(post, None)
-
-
-async def hang_up(svc: ServiceProcess, post: Post) -> None:
-    """Send the request (or half of its body), then close without reading."""
-    body = json.dumps({"nama": post.nama, "harga": post.harga}).encode()
-    headers = {"Content-Type": "application/json"}
-    if post.key:
-        headers["Idempotency-Key"] = post.key
-    data = build_request("POST", "/produk", headers=headers, body=body)
-    if post.hang_up == "during":
-        data = data[: len(data) - len(body) // 2]
-    with contextlib.suppress(OSError):
-        _, writer = await asyncio.open_connection("127.0.0.1", svc.port)
-        writer.write(data)
-        with contextlib.suppress(OSError):
-            await writer.drain()
-        writer.transport.abort()
 
 
 def _drained(body: dict[str, Any]) -> bool:

@@ -45,17 +45,9 @@ import pytest
 
 from service.mail import message_id
 from tests.conftest import ServiceFactory
-from tests.integration.test_crash_loop import (
-    MAIL_FROM,
-    REFUSED,
-    Answer,
-    Post,
-    behave,
-    hang_up,
-    send,
-)
 from tests.postgres.conftest import pg_env
 from tests.support.api import healthz, wait_healthy
+from tests.support.crash_loop import MAIL_FROM, REFUSED, Answer, Post, behave, hang_up, send
 from tests.support.postgres import PostgresCluster, fetch
 from tests.support.service import ServiceProcess
 from tests.support.smtp import SmtpServer
