@@ -21,22 +21,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import random
 import signal
-from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import pytest
 
-from service.mail import message_id
 from tests.conftest import ServiceFactory
 from tests.support import db
 from tests.support.api import wait_healthy
-from tests.support.crash_loop import MAIL_FROM, REFUSED, Answer, Post, behave, hang_up, send
+from tests.support.crash_loop import (
+    MAIL_FROM,
+    REFUSED,
+    Answer,
+    Post,
+    behave,
+    check_logs,
+    check_store_and_emails,
+    hang_up,
+    send,
+)
 from tests.support.service import ServiceProcess
 from tests.support.smtp import SmtpServer
 
@@ -204,62 +211,9 @@ def check(record: Record, smtp: SmtpServer, last: ServiceProcess) -> None:
     jobs = [j for j in db.jobs(database) if j["kind"] == "product_email"]
     answered = [a for a in record.answers if a.status is not None]
     created = [a for a in answered if a.status == 201]
-
-    # Every 201 names a product that exists, as it was sent.
-    for a in created:
-        product = products.get(a.body["id"])
-        assert product is not None, f"201 for a product that is not stored: {a}"
-        assert (product["nama"], product["harga"]) == (a.post.nama.strip(), a.post.harga), a
-        assert product["idempotency_key"] == a.post.key, a
     for a in answered:
         assert a.status in (201, 422), f"unexpected answer: {a}"
-        if a.status == 422:  # its key names another product
-            owner = [p for p in products.values() if p["idempotency_key"] == a.post.key]
-            assert len(owner) == 1 and owner[0]["nama"] != a.post.nama, a
-
-    # An Idempotency-Key names one product, in every answer and in the store.
-    ids_by_key: dict[str, set[int]] = defaultdict(set)
-    for a in created:
-        if a.post.key is not None:
-            ids_by_key[a.post.key].add(a.body["id"])
-    for key, ids in ids_by_key.items():
-        assert len(ids) == 1, f"key {key} answered with products {ids}"
-    keys = Counter(p["idempotency_key"] for p in products.values() if p["idempotency_key"])
-    assert all(n == 1 for n in keys.values()), keys
-
-    # Nothing stored that no client sent; a body cut short stores nothing.
-    sent = {a.post.nama for a in record.answers if a.post.hang_up != "during"}
-    for p in products.values():
-        assert p["nama"] in sent, f"stored but never sent whole: {p}"
-
-    # Every product (answered or not) has exactly one email job; no job without one.
-    job_by_product: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for j in jobs:
-        job_by_product[json.loads(j["payload"])["product_id"]].append(j)
-    assert set(job_by_product) == set(products), "jobs and products differ"
-    assert all(len(js) == 1 for js in job_by_product.values()), job_by_product
-
-    # Every job ended: done, or failed where the SMTP server refused it for good.
-    # (Its last error need not be the 550: its last attempt may have met a
-    # dropped connection, or a kill in the one more try after its last.)
-    for product_id, (job,) in job_by_product.items():
-        refused = REFUSED in products[product_id]["nama"]
-        expected = "failed" if refused else "done"
-        assert job["state"] == expected, (products[product_id], job)
-
-    # Every email arrived, always under its job's Message-ID.
-    attempts_by_job: dict[int, set[str]] = defaultdict(set)
-    for m in smtp.messages():
-        attempts_by_job[int(m.headers["X-Toko-Job-Id"])].add(m.message_id)
-    delivered = Counter(m.message_id for m in smtp.delivered())
-    for product_id, (job,) in job_by_product.items():
-        expected_id = message_id(job["id"], job["created_at"], MAIL_FROM)
-        seen = attempts_by_job.get(job["id"], set())
-        assert seen <= {expected_id}, (job, seen)
-        if job["state"] == "done":
-            assert delivered[expected_id] >= 1, f"no email for {products[product_id]}"
-        else:
-            assert delivered[expected_id] == 0, job
+    job_by_product, delivered = check_store_and_emails(record.answers, products, jobs, smtp)
 
     # Duplicates only where a kill, a stop or a dropped connection explains them.
     duplicates = sum(n - 1 for n in delivered.values())
@@ -274,24 +228,4 @@ def check(record: Record, smtp: SmtpServer, last: ServiceProcess) -> None:
     )
     assert duplicates <= bound, delivered
 
-    check_logs(record, products, job_by_product)
-
-
-def check_logs(
-    record: Record,
-    products: dict[int, dict[str, Any]],
-    job_by_product: dict[int, list[dict[str, Any]]],
-) -> None:
-    refused_jobs = {
-        str(js[0]["id"]) for pid, js in job_by_product.items() if REFUSED in products[pid]["nama"]
-    }
-    for svc in record.services:
-        assert "Traceback" not in svc.stderr_text(), svc.output_tail()
-        for r in svc.logs.snapshot():
-            assert "exception" not in r and "Traceback" not in r.get("_raw", ""), r
-            if r.get("level") not in ("ERROR", "CRITICAL"):
-                continue
-            explained = r.get("message") == "job failed permanently" and (
-                str(r.get("JOB_ID")) in refused_jobs
-            )
-            assert explained, f"an ERROR no fault explains: {r}"
+    check_logs(record.services, products, job_by_product)

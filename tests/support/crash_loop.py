@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
+from service.mail import message_id
 from tests.support.http import build_request
 from tests.support.service import ServiceProcess
 from tests.support.smtp import SmtpServer
@@ -85,3 +88,95 @@ async def hang_up(svc: ServiceProcess, post: Post) -> None:
         with contextlib.suppress(OSError):
             await writer.drain()
         writer.transport.abort()
+
+
+# -- the checks ----------------------------------------------------------------
+Row = dict[str, Any]
+
+
+def check_store_and_emails(
+    answers: list[Answer], products: dict[int, Row], jobs: list[Row], smtp: SmtpServer
+) -> tuple[dict[int, Row], Counter[str]]:
+    """Every answer a client got against the store and the SMTP server; each
+    product's email job, and how often each Message-ID was delivered."""
+    answered = [a for a in answers if a.status is not None]
+    created = [a for a in answered if a.status == 201]
+
+    # Every 201 names a product that exists, as it was sent.
+    for a in created:
+        product = products.get(a.body["id"])
+        assert product is not None, f"201 for a product that is not stored: {a}"
+        assert (product["nama"], product["harga"]) == (a.post.nama.strip(), a.post.harga), a
+        assert product["idempotency_key"] == a.post.key, a
+    for a in answered:
+        if a.status == 422:  # its key names another product
+            owner = [p for p in products.values() if p["idempotency_key"] == a.post.key]
+            assert len(owner) == 1 and owner[0]["nama"] != a.post.nama, a
+
+    # An Idempotency-Key names one product, in every answer and in the store.
+    ids_by_key: dict[str, set[int]] = defaultdict(set)
+    for a in created:
+        if a.post.key is not None:
+            ids_by_key[a.post.key].add(a.body["id"])
+    for key, ids in ids_by_key.items():
+        assert len(ids) == 1, f"key {key} answered with products {ids}"
+    keys = Counter(p["idempotency_key"] for p in products.values() if p["idempotency_key"])
+    assert all(n == 1 for n in keys.values()), keys
+
+    # Nothing stored that no client sent; a body cut short stores nothing.
+    sent = {a.post.nama for a in answers if a.post.hang_up != "during"}
+    for p in products.values():
+        assert p["nama"] in sent, f"stored but never sent whole: {p}"
+
+    # Every product (answered or not) has exactly one email job; no job without one.
+    jobs_by_product: dict[int, list[Row]] = defaultdict(list)
+    for j in jobs:
+        jobs_by_product[json.loads(j["payload"])["product_id"]].append(j)
+    assert set(jobs_by_product) == set(products), "jobs and products differ"
+    assert all(len(js) == 1 for js in jobs_by_product.values()), jobs_by_product
+    job_by_product = {product_id: js[0] for product_id, js in jobs_by_product.items()}
+
+    # Every job ended (none left running): done, or failed where the SMTP
+    # server refused it for good. (Its last error need not be the 550: its
+    # last attempt may have met a dropped connection, or a kill in the one
+    # more try after its last.)
+    for product_id, job in job_by_product.items():
+        refused = REFUSED in products[product_id]["nama"]
+        assert job["state"] == ("failed" if refused else "done"), (products[product_id], job)
+
+    # Every email arrived, always under its job's Message-ID.
+    attempts_by_job: dict[int, set[str]] = defaultdict(set)
+    for m in smtp.messages():
+        attempts_by_job[int(m.headers["X-Toko-Job-Id"])].add(m.message_id)
+    delivered = Counter(m.message_id for m in smtp.delivered())
+    for product_id, job in job_by_product.items():
+        expected_id = message_id(job["id"], job["created_at"], MAIL_FROM)
+        assert attempts_by_job.get(job["id"], set()) <= {expected_id}, job
+        if job["state"] == "done":
+            assert delivered[expected_id] >= 1, f"no email for {products[product_id]}"
+        else:
+            assert delivered[expected_id] == 0, job
+    return job_by_product, delivered
+
+
+def check_logs(
+    services: Iterable[ServiceProcess],
+    products: dict[int, Row],
+    job_by_product: dict[int, Row],
+    also_explained: Callable[[Row], bool] = lambda record: False,
+) -> None:
+    """No traceback anywhere, and an ERROR only where a fault explains it: a
+    refused email's dead letter, or what ``also_explained`` allows."""
+    refused_jobs = {
+        str(job["id"]) for pid, job in job_by_product.items() if REFUSED in products[pid]["nama"]
+    }
+    for svc in services:
+        assert "Traceback" not in svc.stderr_text(), svc.output_tail()
+        for r in svc.logs.snapshot():
+            assert "exception" not in r and "Traceback" not in r.get("_raw", ""), r
+            if r.get("level") not in ("ERROR", "CRITICAL"):
+                continue
+            dead_letter = r.get("message") == "job failed permanently" and (
+                str(r.get("JOB_ID")) in refused_jobs
+            )
+            assert dead_letter or also_explained(r), f"an ERROR no fault explains: {r}"
