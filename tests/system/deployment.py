@@ -12,7 +12,7 @@ import http.client
 import json
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,8 +97,10 @@ class Deployment:
         body: Any = None,
         timeout: float = 30,
         headers: dict[str, str] | None = None,
+        on_sent: Callable[[], None] | None = None,
     ) -> Response:
-        """One request on a fresh connection (Connection: close)."""
+        """One request on a fresh connection (Connection: close); ``on_sent()`` once
+        it is sent, before its answer is read."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             headers = {"Connection": "close", **(headers or {})}
@@ -107,16 +109,21 @@ class Deployment:
                 data = json.dumps(body).encode()
                 headers["Content-Type"] = "application/json"
             conn.request(method, path, body=data, headers=headers)
+            if on_sent is not None:
+                on_sent()
             resp = conn.getresponse()
             raw = resp.read()
             return Response(resp.status, json.loads(raw) if raw else None)
         finally:
             conn.close()
 
-    def post(self, nama: str, harga: int = 1000) -> Response:
+    def post(
+        self, nama: str, harga: int = 1000, on_sent: Callable[[], None] | None = None
+    ) -> Response:
         """``POST /produk`` with the write token, whatever the answer."""
         auth = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        return self.request("POST", "/produk", {"nama": nama, "harga": harga}, headers=auth)
+        body = {"nama": nama, "harga": harga}
+        return self.request("POST", "/produk", body, headers=auth, on_sent=on_sent)
 
     def post_product(self, nama: str, harga: int = 1000) -> dict[str, Any]:
         resp = self.post(nama, harga)
@@ -222,6 +229,7 @@ class Deployment:
             "q = json.load(sys.stdin)\n"
             "con = sqlite3.connect(q['path'], timeout=30)\n"
             "print(json.dumps(con.execute(q['query'], q['params']).fetchall()))\n"
+            "con.commit()\n"  # a test's own INSERT or DELETE
         )
         proc = self.machine.run(
             ["runuser", "-u", "toko", "--", VENV_PYTHON, "-c", script],

@@ -14,7 +14,8 @@ certificates, pip's ``cert``), boots it with ``systemd-nspawn --boot
 --register=no --keep-unit`` (systemd need not be PID 1 here) and runs commands
 inside with ``nsenter`` in a clean environment, as an admin's root shell would.
 Without ``--private-network`` the container shares the host's network, so its
-sockets are on the host's 127.0.0.1.
+sockets are on the host's 127.0.0.1. ``reboot()`` and ``power_cut()`` take it
+down (cleanly, or by killing every process at once) and boot the same tree again.
 """
 
 from __future__ import annotations
@@ -263,7 +264,8 @@ class Machine:
     def boot(self, timeout: float = 90) -> None:
         log(f"booting {self.name} from {self.root}")
         started = time.monotonic()
-        with open(self.console_log, "wb") as console:
+        # Appended to: a reboot's second boot keeps the first one's lines.
+        with open(self.console_log, "ab") as console:
             self._nspawn = subprocess.Popen(
                 [
                     "systemd-nspawn",
@@ -289,6 +291,50 @@ class Machine:
         if state != "running":
             failed = self.sh("systemctl --failed --no-legend", check=False).stdout
             log(f"boot state {state}; failed units:\n{failed}")
+
+    def reboot(self, while_off: Callable[[], None] = lambda: None, timeout: float = 90) -> None:
+        """``systemctl reboot`` inside; once the container is down, ``while_off()``, then boot.
+
+        nspawn ends when its container reboots (exit 133; only a supervisor
+        such as systemd-nspawn@.service starts it again), so the same tree is
+        booted again here, as the machine's firmware would.
+        """
+        proc = self._nspawn
+        assert proc is not None, "boot() first"
+        log(f"rebooting {self.name}")
+        # nsenter may be killed with the container before systemctl returns.
+        self.run(["systemctl", "reboot"], check=False, timeout=timeout)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise MachineError(
+                f"{self.name} did not go down in {timeout:.0f} s:\n{self.console_tail()}"
+            ) from None
+        if code != 133:  # nspawn's "the container asked for a reboot"
+            raise MachineError(f"systemd-nspawn exited {code} on reboot:\n{self.console_tail()}")
+        self._nspawn = None
+        while_off()
+        self.boot(timeout)
+
+    def power_cut(self, while_off: Callable[[], None] = lambda: None, timeout: float = 90) -> None:
+        """Every process of the container killed at once (SIGKILL), ``while_off()``, then boot.
+
+        SIGKILL to the container's PID 1 makes the kernel kill everything in
+        its PID namespace in the same instant, and nspawn is killed with it. No
+        process gets to flush or sync anything. The tree is a directory on
+        the host, whose page cache survives: this is a crash of every process,
+        not a lost disk cache.
+        """
+        proc = self._nspawn
+        assert proc is not None, "boot() first"
+        os.kill(self.init_pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        log(f"cut the power of {self.name}")  # not before: a caller may time the cut
+        proc.wait(timeout=timeout)
+        self._nspawn = None
+        while_off()
+        self.boot(timeout)
 
     def _find_init(self) -> int | None:
         assert self._nspawn is not None
