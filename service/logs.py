@@ -157,6 +157,15 @@ class StructuredJournalHandler(JournalHandler):  # type: ignore[misc]
     without the reason sends an admin looking for ``--output-fields``.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # One lock for the handler and a JournalSender: its retry thread holds the
+        # sender's lock while a finalizer may log (see JournalSender), and would
+        # then wait for the handler's, held by a thread that waits for the sender's.
+        sender_lock = getattr(self.send, "lock", None)
+        if sender_lock is not None:
+            self.lock = sender_lock
+
     def emit(self, record: logging.LogRecord) -> None:
         try:
             message = self.format(record)
@@ -201,6 +210,11 @@ class JournalSender:
     is preceded by one saying how many were lost. Nothing is raised to
     logging's handleError either: that prints to stderr, which under systemd
     is a stream to the same stopped journald.
+
+    A line may also come while this thread is sending: the garbage collector
+    runs finalizers at any allocation, the error a busy journald returns
+    included, and asyncio's log ("Task was destroyed but it is pending!").
+    That line joins the backlog, which the send under way takes in turn.
     """
 
     # About 5 MB of typical entries: seconds of the log mailer at full speed.
@@ -216,7 +230,12 @@ class JournalSender:
         self.dropped = 0
         self._backlog: collections.deque[bytes] = collections.deque()
         # Held while the backlog changes: by the caller, or by the retry thread.
-        self._lock = threading.Lock()
+        # Re-entrant for a finalizer that logs (above); StructuredJournalHandler
+        # makes it its own lock too.
+        self.lock = threading.RLock()
+        # Whether this sender is sending, so a line logged meanwhile (by the
+        # thread holding the lock: no other can) is only queued.
+        self._sending = False
         self._retrier: threading.Thread | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self._sock.setblocking(False)
@@ -226,20 +245,17 @@ class JournalSender:
 
     def __call__(self, message: str, **fields: Any) -> None:
         entry = _native_entry({"MESSAGE": message, **fields})
-        with self._lock:
-            self._send_backlog()
-            if len(self._backlog) >= self.max_backlog:
-                self.dropped += 1
+        with self.lock:
+            if self._sending:
+                self._enqueue(entry, fields)
                 return
-            if self.dropped:
-                self._backlog.append(self._dropped_notice(fields))
-                self.dropped = 0
-            self._backlog.append(entry)
-            if self._send_backlog() and self._retrier is None:
-                self._retrier = threading.Thread(
-                    target=self._retry, name="journal-backlog", daemon=True
-                )
-                self._retrier.start()
+            self._sending = True
+            try:
+                self._send_backlog()
+                if self._enqueue(entry, fields) and self._send_backlog():
+                    self._start_retrier()
+            finally:
+                self._sending = False
 
     @property
     def backlog(self) -> int:
@@ -254,17 +270,42 @@ class JournalSender:
     def close(self) -> None:
         self._sock.close()
 
+    def _enqueue(self, entry: bytes, fields: dict[str, Any]) -> bool:
+        """Put ``entry`` behind the waiting ones; False if the backlog is full
+        (it is dropped and counted)."""
+        if len(self._backlog) >= self.max_backlog:
+            self.dropped += 1
+            return False
+        if self.dropped:
+            self._backlog.append(self._dropped_notice(fields))
+            self.dropped = 0
+        self._backlog.append(entry)
+        return True
+
+    def _start_retrier(self) -> None:
+        if self._retrier is None:
+            self._retrier = threading.Thread(
+                target=self._retry, name="journal-backlog", daemon=True
+            )
+            self._retrier.start()
+
     def _retry(self) -> None:
         while True:
             time.sleep(self.RETRY_S)
-            with self._lock:
-                if not self._send_backlog():
+            with self.lock:
+                if not self._locked_send_backlog():
                     self._retrier = None
                     return
 
     def _locked_send_backlog(self) -> bool:
-        with self._lock:
-            return self._send_backlog()
+        with self.lock:
+            if self._sending:  # a line logged while this thread sends: it is queued
+                return bool(self._backlog)
+            self._sending = True
+            try:
+                return self._send_backlog()
+            finally:
+                self._sending = False
 
     def _send_backlog(self) -> bool:
         """Send waiting entries in order; whether some are left (journald not taking them)."""

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import array
+import gc
+import logging
 import os
 import socket
 import tempfile
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from service.logs import JournalSender
+from service.logs import JournalSender, StructuredJournalHandler
 
 
 @pytest.fixture
@@ -92,3 +96,112 @@ def test_values_with_line_breaks_and_entries_too_large_for_a_datagram(
     finally:
         os.close(fd)
     sender.close()
+
+
+class Abandoned:
+    """Stands for an asyncio task destroyed pending: its finalizer logs."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+        self.cycle = self  # freed by the garbage collector only
+
+    def __del__(self) -> None:
+        self.log.error("abandoned")
+
+
+def journal_logger(sender: JournalSender, name: str) -> logging.Logger:
+    handler = StructuredJournalHandler(sender_function=sender, SYSLOG_IDENTIFIER="toko-api")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger(name)
+    log.addHandler(handler)
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    return log
+
+
+def run_briefly(target: Callable[[], None]) -> None:
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "logging deadlocked"
+
+
+def everything_sent(sender: JournalSender, journald: socket.socket) -> list[str]:
+    """The messages of all entries, journald reading again."""
+    received = read_waiting(journald)
+    while sender.backlog:
+        sender.flush(timeout=0)
+        received += read_waiting(journald)
+    sender.close()
+    return [message(e) for e in received]
+
+
+def test_a_line_a_finalizer_logs_during_a_send_is_queued_not_a_deadlock(
+    journald: socket.socket,
+) -> None:
+    """asyncio logs from finalizers ("Task was destroyed but it is pending!"), and
+    the garbage collector runs them at whatever allocation it is at: also inside a
+    send, such as the error a busy journald returns. That froze the thread for good,
+    and every thread that logged after it (the event loop: the watchdog's abort)."""
+    sender = JournalSender(journald.getsockname())
+    log = journal_logger(sender, "toko.test.finalizer")
+
+    def collect_at_every_point_of_a_send() -> None:
+        threshold = gc.get_threshold()
+        gc.set_threshold(100)
+        try:
+            for allocations in range(100):
+                gc.collect()  # the next collection: after 100 allocations
+                Abandoned(log)
+                _ = [[] for _ in range(allocations)]
+                log.info("line %d", allocations)
+        finally:
+            gc.set_threshold(*threshold)
+
+    for n in range(20):  # journald busy: its queue fills, sends fail until it reads
+        log.info("before %d", n)
+    run_briefly(collect_at_every_point_of_a_send)
+
+    messages = everything_sent(sender, journald)
+    assert messages.count("abandoned") == 100
+    lines = [m for m in messages if m != "abandoned"]
+    assert lines == [f"before {n}" for n in range(20)] + [f"line {n}" for n in range(100)]
+
+
+def test_a_finalizer_the_retry_thread_runs_does_not_deadlock_the_thread_logging(
+    journald: socket.socket,
+) -> None:
+    """The retry thread holds the sender's lock while it sends; a finalizer it runs
+    then logs, waiting for the handler's lock, which a thread that logs holds while
+    it waits for the sender's."""
+    sender = JournalSender(journald.getsockname())
+    sender.RETRY_S = 0  # the retry thread sends as often as it can
+    log = journal_logger(sender, "toko.test.retry-finalizer")
+    for n in range(20):  # journald busy: the retry thread keeps trying
+        log.info("before %d", n)
+    leaving_garbage = True
+
+    def leave_garbage() -> None:  # a thread that logs nothing itself
+        while leaving_garbage:
+            Abandoned(log)
+            time.sleep(0)
+
+    def log_lines() -> None:
+        for n in range(3000):
+            log.info("line %d", n)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(5)  # collections in every thread, the retry thread too
+    garbage_thread = threading.Thread(target=leave_garbage, daemon=True)
+    garbage_thread.start()
+    try:
+        run_briefly(log_lines)
+    finally:
+        leaving_garbage = False
+        garbage_thread.join()
+        gc.set_threshold(*threshold)
+
+    gc.collect()
+    messages = everything_sent(sender, journald)
+    lines = [m for m in messages if m != "abandoned"]
+    assert lines == [f"before {n}" for n in range(20)] + [f"line {n}" for n in range(3000)]
