@@ -38,9 +38,12 @@ from tests.support.crash_loop import (
     REFUSED,
     Answer,
     Post,
+    SmtpStep,
     behave,
     check_logs,
     check_store_and_emails,
+    draw_clients,
+    draw_smtp_steps,
     hang_up,
     send,
 )
@@ -70,7 +73,7 @@ class Cycle:
     clients: list[list[Post]]
     stop_after: float  # seconds after READY=1
     stop_with: signal.Signals
-    smtp_steps: list[tuple[float, str, float]]  # (pause before, action, argument)
+    smtp_steps: list[SmtpStep]
 
 
 def plan(seed: int, cycles: int) -> list[Cycle]:
@@ -78,20 +81,8 @@ def plan(seed: int, cycles: int) -> list[Cycle]:
     keyed: list[Post] = []  # every POST that carried a key, to repeat one
     plan = []
     for c in range(cycles):
-        clients = []
-        for k in range(rng.randint(3, 5)):
-            posts = []
-            for n in range(rng.randint(3, 9)):
-                posts.append(_draw_post(rng, f"s{seed} c{c} k{k} n{n}", keyed))
-            clients.append(posts)
-        steps = [
-            (
-                rng.uniform(0.05, 0.4),
-                rng.choice(("fast", "slow", "slow", "defer", "drop")),
-                rng.uniform(0.1, 0.6),
-            )
-            for _ in range(rng.randint(1, 6))
-        ]
+        clients = draw_clients(rng, f"s{seed} c{c}", lambda name: _draw_post(rng, name, keyed))
+        steps = draw_smtp_steps(rng)
         stop_with = signal.SIGTERM if rng.random() < 0.25 else signal.SIGKILL
         plan.append(Cycle(clients, rng.uniform(0.0, 1.5), stop_with, steps))
     return plan

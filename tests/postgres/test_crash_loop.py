@@ -50,9 +50,12 @@ from tests.support.crash_loop import (
     REFUSED,
     Answer,
     Post,
+    SmtpStep,
     behave,
     check_logs,
     check_store_and_emails,
+    draw_clients,
+    draw_smtp_steps,
     hang_up,
     send,
 )
@@ -107,7 +110,7 @@ class Cycle:
     fault_after: float  # seconds after the burst began
     fault: str  # "kill", "term" or "cut"
     victim: int  # the instance a kill or term stops
-    smtp_steps: list[tuple[float, str, float]]  # (pause before, action, argument)
+    smtp_steps: list[SmtpStep]
 
 
 def plan(seed: int, cycles: int, faults: tuple[str, ...]) -> list[Cycle]:
@@ -115,20 +118,8 @@ def plan(seed: int, cycles: int, faults: tuple[str, ...]) -> list[Cycle]:
     keyed: list[Send] = []  # every POST that carried a key, to repeat one
     plan = []
     for c in range(cycles):
-        clients = []
-        for k in range(rng.randint(3, 5)):
-            sends = []
-            for n in range(rng.randint(3, 9)):
-                sends.append(_draw_send(rng, f"s{seed} c{c} k{k} n{n}", keyed))
-            clients.append(sends)
-        steps = [
-            (
-                rng.uniform(0.05, 0.4),
-                rng.choice(("fast", "slow", "slow", "defer", "drop")),
-                rng.uniform(0.1, 0.6),
-            )
-            for _ in range(rng.randint(1, 6))
-        ]
+        clients = draw_clients(rng, f"s{seed} c{c}", lambda name: _draw_send(rng, name, keyed))
+        steps = draw_smtp_steps(rng)
         fault = rng.choice(faults)
         plan.append(Cycle(clients, rng.uniform(0.0, 1.5), fault, rng.randrange(INSTANCES), steps))
     return plan

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -37,6 +38,30 @@ class Post:
     harga: int
     key: str | None = None
     hang_up: str = ""
+
+
+T = TypeVar("T")
+SmtpStep = tuple[float, str, float]  # (pause before, action, argument)
+
+
+def draw_clients(rng: random.Random, label: str, draw: Callable[[str], T]) -> list[list[T]]:
+    """3-5 clients of 3-9 requests each, ``draw`` making each from its name."""
+    return [
+        [draw(f"{label} k{k} n{n}") for n in range(rng.randint(3, 9))]
+        for k in range(rng.randint(3, 5))
+    ]
+
+
+def draw_smtp_steps(rng: random.Random) -> list[SmtpStep]:
+    """1-6 switches of the SMTP server's mood (see behave), each after a pause."""
+    return [
+        (
+            rng.uniform(0.05, 0.4),
+            rng.choice(("fast", "slow", "slow", "defer", "drop")),
+            rng.uniform(0.1, 0.6),
+        )
+        for _ in range(rng.randint(1, 6))
+    ]
 
 
 @dataclass
