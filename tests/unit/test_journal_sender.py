@@ -1,4 +1,4 @@
-"""service.logs.JournalSender against a real datagram socket standing in for journald's."""
+"""service.journal.JournalSender against a real datagram socket standing in for journald's."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from service.logs import JournalSender, StructuredJournalHandler
+from service.journal import JournalSender
+from service.logs import StructuredJournalHandler
 
 
 @pytest.fixture
