@@ -183,9 +183,7 @@ async def test_backup_while_writing_restores_into_an_empty_database(
 async def test_a_restore_keeps_the_replaced_contents_on_disk_before_replacing_them(
     tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
 ) -> None:
-    await _seed(pg_cluster, pg_url, 1)
-    backups = tmp_path / "backups"
-    env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(backups))
+    backups, env = await _seeded(pg_cluster, pg_url, 1, tmp_path / "backups")
     made = await asyncio.to_thread(run_tool, "toko-backup", tmp_path / "run", env)
     assert made.returncode == 0, made.stderr
     archive = printed(made.stdout)[-1]
@@ -208,6 +206,14 @@ async def test_a_restore_keeps_the_replaced_contents_on_disk_before_replacing_th
 
 def _job(product: Product) -> object:
     return product_email_job(product, 3)
+
+
+async def _seeded(
+    cluster: PostgresCluster, url: str, products: int, backups: Path
+) -> tuple[Path, dict[str, str]]:
+    """``products`` in the database, and toko-backup's environment writing to ``backups``."""
+    await _seed(cluster, url, products)
+    return backups, pg_env(cluster, url, TOKO_BACKUP_DIR=str(backups))
 
 
 async def _seed(cluster: PostgresCluster, url: str, products: int) -> None:
@@ -242,9 +248,7 @@ async def _backup_of(
 async def test_a_restore_refuses_an_archive_toko_api_could_not_start_on_but_takes_an_older_one(
     tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
 ) -> None:
-    await _seed(pg_cluster, pg_url, 2)
-    backups = tmp_path / "backups"
-    env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(backups))
+    backups, env = await _seeded(pg_cluster, pg_url, 2, tmp_path / "backups")
     bump = f"UPDATE toko_schema SET version = {LATEST_VERSION + 1}"  # as a newer toko leaves it
     newer_url, newer = await _backup_of(pg_cluster, tmp_path, LATEST_VERSION, bump)
     unversioned_url, unversioned = await _backup_of(
@@ -372,9 +376,7 @@ def _stopped_run(sig: signal.Signals, workdir: Path, env: dict[str, str], folder
 async def test_a_stopped_backup_leaves_no_partial_dump_behind(
     tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
 ) -> None:
-    await _seed(pg_cluster, pg_url, 5)
-    folder = tmp_path / "backups"
-    env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(folder))
+    folder, env = await _seeded(pg_cluster, pg_url, 5, tmp_path / "backups")
     # systemd's stop: the run removes its partial dump and fails.
     code = await asyncio.to_thread(_stopped_run, signal.SIGTERM, tmp_path, env, folder)
     assert code == 128 + signal.SIGTERM
@@ -482,9 +484,7 @@ async def _stderr_once_ended(proc: subprocess.Popen[str]) -> str:
 async def test_a_server_gone_mid_dump_fails_in_one_line_and_keeps_the_older_backups(
     tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
 ) -> None:
-    await _seed(pg_cluster, pg_url, 5)
-    folder = tmp_path / "backups"
-    env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(folder))
+    folder, env = await _seeded(pg_cluster, pg_url, 5, tmp_path / "backups")
     older = run_tool("toko-backup", tmp_path, env)
     assert older.returncode == 0, older.stderr
     async with _backup_waiting_mid_dump(pg_cluster, pg_url, tmp_path, env) as (conn, proc):
@@ -508,9 +508,7 @@ async def test_a_dump_past_the_units_timeout_is_stopped_with_pg_dump_and_leaves_
 ) -> None:
     # TimeoutStartSec=: systemd sends SIGTERM to every process of the unit,
     # pg_dump included, not to toko-backup alone.
-    await _seed(pg_cluster, pg_url, 5)
-    folder = tmp_path / "backups"
-    env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(folder))
+    folder, env = await _seeded(pg_cluster, pg_url, 5, tmp_path / "backups")
     async with _backup_waiting_mid_dump(pg_cluster, pg_url, tmp_path, env) as (_, proc):
         os.killpg(proc.pid, signal.SIGTERM)
         err = await _stderr_once_ended(proc)
@@ -526,9 +524,7 @@ async def test_a_restore_whose_safety_dump_fails_leaves_no_dump_named_as_kept(
 ) -> None:
     # The current contents are dumped to before-restore-<time>.dump first;
     # a dump cut short there used to stay, looking like the kept contents.
-    await _seed(pg_cluster, pg_url, 5)
-    folder = tmp_path / "backups"
-    env = pg_env(pg_cluster, pg_url, TOKO_BACKUP_DIR=str(folder))
+    folder, env = await _seeded(pg_cluster, pg_url, 5, tmp_path / "backups")
     made = run_tool("toko-backup", tmp_path, env)
     assert made.returncode == 0, made.stderr
     await _seed(pg_cluster, pg_url, 2)  # newer than the backup

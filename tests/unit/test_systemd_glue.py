@@ -22,12 +22,18 @@ def notify_socket(tmp_path: Path) -> Iterator[tuple[str, socket.socket]]:
     sock.close()
 
 
-def test_notifier_sends_ready_watchdog_stopping(
+@pytest.fixture
+def notified(
     notify_socket: tuple[str, socket.socket], monkeypatch: pytest.MonkeyPatch
-) -> None:
+) -> tuple[Notifier, socket.socket]:
+    """A Notifier for NOTIFY_SOCKET, and the socket its messages arrive on."""
     path, sock = notify_socket
     monkeypatch.setenv("NOTIFY_SOCKET", path)
-    notifier = Notifier(path)
+    return Notifier(path), sock
+
+
+def test_notifier_sends_ready_watchdog_stopping(notified: tuple[Notifier, socket.socket]) -> None:
+    notifier, sock = notified
     notifier.ready("pending=0")
     notifier.watchdog()
     notifier.extend_timeout(3, "draining")
@@ -43,13 +49,11 @@ def test_notifier_sends_ready_watchdog_stopping(
 
 
 def test_a_status_in_any_script_arrives_as_utf8_with_its_ready(
-    notify_socket: tuple[str, socket.socket], monkeypatch: pytest.MonkeyPatch
+    notified: tuple[Notifier, socket.socket],
 ) -> None:
     # sdnotify's own notify() encodes Latin-1: Cyrillic lost the whole
     # message, READY=1 with it, and "é" arrived as a byte systemd refuses.
-    path, sock = notify_socket
-    monkeypatch.setenv("NOTIFY_SOCKET", path)
-    notifier = Notifier(path)
+    notifier, sock = notified
     for status in ("cannot write: /srv/данные/toko.db", "cannot write: /srv/café/toko.db"):
         notifier.ready(status)
         assert sock.recv(4096) == f"READY=1\nSTATUS={status}".encode()
@@ -57,13 +61,11 @@ def test_a_status_in_any_script_arrives_as_utf8_with_its_ready(
 
 
 def test_a_status_with_line_breaks_is_one_assignment(
-    notify_socket: tuple[str, socket.socket], monkeypatch: pytest.MonkeyPatch
+    notified: tuple[Notifier, socket.socket],
 ) -> None:
     # A store error's text goes into STATUS=; a line break in it started
     # another assignment of the notify message.
-    path, sock = notify_socket
-    monkeypatch.setenv("NOTIFY_SOCKET", path)
-    notifier = Notifier(path)
+    notifier, sock = notified
     notifier.status("store unavailable: failed\nWATCHDOG=1\r\ndetail")
     notifier.close()
     assert sock.recv(4096) == b"STATUS=store unavailable: failed WATCHDOG=1 detail"

@@ -302,16 +302,22 @@ async def test_backups_in_the_same_second_do_not_replace_each_other(tmp_path: Pa
     assert backup.list_backups(folder) == made  # later backups sort later
 
 
+def _backups_of_three_nights(db: str, folder: Path) -> list[Path]:
+    """Backups named as those of 2026-11-01 to 03 at 02:30, oldest first."""
+    good = []
+    for day in (1, 2, 3):
+        path = backup.make_backup(db, folder, keep=3)
+        good.append(path.rename(path.with_name(f"toko-2026110{day}T023000Z.db")))
+    return good
+
+
 async def test_prune_keeps_the_backup_just_written_when_the_clock_is_behind(
     tmp_path: Path,
 ) -> None:
     db = str(tmp_path / "toko.db")
     await seed(db, 2)
     folder = tmp_path / "backups"
-    good = []
-    for day in (1, 2, 3):
-        path = backup.make_backup(db, folder, keep=3)
-        good.append(path.rename(path.with_name(f"toko-2026110{day}T023000Z.db")))
+    good = _backups_of_three_nights(db, folder)
     # A board without a battery-backed clock, before NTP: it is 2000-01-01.
     made = backup.make_backup(db, folder, keep=3, clock=lambda: 946684800.0)
     assert made.name == "toko-20000101T000000Z.db"
@@ -326,10 +332,7 @@ async def test_rotation_leaves_an_admins_copies_alone_and_keeps_its_count_of_bac
     db = str(tmp_path / "toko.db")
     await seed(db, 2)
     folder = tmp_path / "backups"
-    good = []
-    for day in (1, 2, 3):
-        path = backup.make_backup(db, folder, keep=3)
-        good.append(path.rename(path.with_name(f"toko-2026110{day}T023000Z.db")))
+    good = _backups_of_three_nights(db, folder)
     # Copies an admin made by hand, named like backups but not by toko-backup.
     mine = [folder / "toko-before-upgrade.db", folder / "toko-20261101T023000Z (copy).db"]
     for path in mine:
