@@ -15,6 +15,11 @@ from service import __version__
 from service.logs import setup_logging
 from service.settings import ConfigError, Settings, output_is_journal
 
+# How long a job's exit waits for a journald that does not read (stopped,
+# restarting) to take its last lines. toko-api waits 2 s, inside its stop
+# timeout; a job has nothing else to do, and its last lines say how it ended.
+LOG_FLUSH_SECONDS = 30.0
+
 
 class JobFailed(Exception):
     """A timer job could not do its work; the message is the one line printed."""
@@ -77,12 +82,22 @@ def run_job(
         # Logged with the default settings: under systemd the stderr line alone
         # is an info-priority entry that `journalctl -p err` never shows.
         defaults = Settings(journal=output_is_journal(os.environ.get("JOURNAL_STREAM")))
-        setup_logging(defaults.log_level, journal=defaults.journal, identifier=name)
+        setup_logging(
+            defaults.log_level,
+            journal=defaults.journal,
+            identifier=name,
+            flush_timeout=LOG_FLUSH_SECONDS,
+        )
         message = str(exc) if without_settings is None else without_settings(args, exc)
         logging.getLogger(f"toko.{name}").error("%s failed: %s", name, message)
         print(f"{name}: {message}", file=sys.stderr)
         return 2
-    setup_logging(settings.log_level, journal=settings.journal, identifier=name)
+    setup_logging(
+        settings.log_level,
+        journal=settings.journal,
+        identifier=name,
+        flush_timeout=LOG_FLUSH_SECONDS,
+    )
     try:
         return body(args, settings)
     except JobFailed as exc:

@@ -8,6 +8,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import select
 import socket
 import struct
 import threading
@@ -44,14 +45,21 @@ class JournalSender:
 
     # About 5 MB of typical entries: seconds of the log mailer at full speed.
     MAX_BACKLOG = 10_000
-    # What logging.shutdown() at exit waits at most for journald to take the backlog.
+    # What logging.shutdown() at exit waits at most for journald to take the
+    # backlog, unless told otherwise: toko-api's stop has systemd's timeout to keep.
     FLUSH_TIMEOUT_S = 2.0
     # How often the backlog is offered again while no new line comes to send it.
     RETRY_S = 0.05
 
-    def __init__(self, path: str = JOURNAL_SOCKET, max_backlog: int = MAX_BACKLOG) -> None:
+    def __init__(
+        self,
+        path: str = JOURNAL_SOCKET,
+        max_backlog: int = MAX_BACKLOG,
+        flush_timeout: float = FLUSH_TIMEOUT_S,
+    ) -> None:
         self.path = path
         self.max_backlog = max_backlog
+        self.flush_timeout = flush_timeout
         self.dropped = 0
         self._backlog: collections.deque[bytes] = collections.deque()
         # Held while the backlog changes: by the caller, or by the retry thread.
@@ -76,8 +84,8 @@ class JournalSender:
                 return
             self._sending = True
             try:
-                self._send_backlog()
-                if self._enqueue(entry, fields) and self._send_backlog():
+                self._send_in_order()
+                if self._enqueue(entry, fields) and self._send_in_order():
                     self._start_retrier()
             finally:
                 self._sending = False
@@ -86,11 +94,21 @@ class JournalSender:
     def backlog(self) -> int:
         return len(self._backlog)
 
-    def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
-        """Send the backlog, waiting up to ``timeout`` for journald: at exit only."""
-        deadline = time.monotonic() + timeout
-        while self._locked_send_backlog() and time.monotonic() < deadline:
+    def flush(self) -> None:
+        """At exit only: send the backlog, waiting up to ``flush_timeout`` for
+        journald; what it still holds then is lost, and stderr says how much."""
+        deadline = time.monotonic() + self.flush_timeout
+        while self.send_backlog() and time.monotonic() < deadline:
             time.sleep(0.01)
+        with self.lock:
+            lost = len(self._backlog) + self.dropped
+            self._backlog.clear()
+            self.dropped = 0
+        if lost:
+            _tell_stderr(
+                f"{lost} log lines were lost: the journal did not take them"
+                f" within {self.flush_timeout:g} s of exit\n"
+            )
 
     def close(self) -> None:
         self._sock.close()
@@ -118,21 +136,22 @@ class JournalSender:
         while True:
             time.sleep(self.RETRY_S)
             with self.lock:
-                if not self._locked_send_backlog():
+                if not self.send_backlog():
                     self._retrier = None
                     return
 
-    def _locked_send_backlog(self) -> bool:
+    def send_backlog(self) -> bool:
+        """Offer the waiting entries to journald now; whether some are still left."""
         with self.lock:
             if self._sending:  # a line logged while this thread sends: it is queued
                 return bool(self._backlog)
             self._sending = True
             try:
-                return self._send_backlog()
+                return self._send_in_order()
             finally:
                 self._sending = False
 
-    def _send_backlog(self) -> bool:
+    def _send_in_order(self) -> bool:
         """Send waiting entries in order; whether some are left (journald not taking them)."""
         while self._backlog:
             if not self._offer(self._backlog[0]):
@@ -178,6 +197,15 @@ class JournalSender:
             self._sock.sendmsg([], rights, 0, self.path)
         finally:
             os.close(fd)
+
+
+def _tell_stderr(line: str) -> None:
+    """``line`` on stderr if it can go without waiting: under systemd, stderr is
+    a stream to journald too, whose buffer holds it until journald reads again."""
+    with contextlib.suppress(OSError, ValueError):
+        _, writable, _ = select.select([], [2], [], 0)
+        if writable:
+            os.write(2, line.encode())
 
 
 # Journald's queue is full (EAGAIN, ENOBUFS), or journald is stopped

@@ -181,7 +181,15 @@ class StructuredJournalHandler(JournalHandler):  # type: ignore[misc]
             flush()
 
 
-def setup_logging(level: str, *, journal: bool, identifier: str) -> None:
+def setup_logging(
+    level: str,
+    *,
+    journal: bool,
+    identifier: str,
+    flush_timeout: float = JournalSender.FLUSH_TIMEOUT_S,
+) -> None:
+    """Log to the journal or as JSON lines on stdout; ``flush_timeout`` is how
+    long the exit waits for a journald that does not read (JournalSender)."""
     # Per the logging HOWTO's "Optimization" advice: skip the stack walk for the
     # caller's file/line and the process/thread look-ups on every record. The
     # log mailer logs one line per email, so this is on the hot path.
@@ -192,7 +200,8 @@ def setup_logging(level: str, *, journal: bool, identifier: str) -> None:
     handler: logging.Handler
     if journal:
         handler = StructuredJournalHandler(
-            sender_function=JournalSender(), SYSLOG_IDENTIFIER=identifier
+            sender_function=JournalSender(flush_timeout=flush_timeout),
+            SYSLOG_IDENTIFIER=identifier,
         )
         handler.setFormatter(logging.Formatter("%(message)s"))
     else:

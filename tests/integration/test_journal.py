@@ -24,6 +24,7 @@ import pytest
 from tests.conftest import ServiceFactory
 from tests.support import db
 from tests.support.api import create_product, create_products, wait_healthy
+from tests.support.journald import fill
 from tests.support.service import TOKO_API
 
 pytestmark = pytest.mark.root
@@ -44,9 +45,9 @@ def journal_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def under_journald(journal_dir: Path, tmp_path: Path) -> Path:
-    """A toko-api whose journal socket is ``journal_dir/socket``, stdout the journal stream."""
-    wrapper = tmp_path / "toko-api-under-journald"
+def under_journald(journal_dir: Path, tmp_path: Path, program: Path = TOKO_API) -> Path:
+    """``program`` with ``journal_dir/socket`` as its journal socket, stdout the journal stream."""
+    wrapper = tmp_path / f"{program.name}-under-journald"
     wrapper.write_text(
         "#!/bin/sh\n"
         "exec unshare --mount --propagation private sh -c '"
@@ -54,7 +55,7 @@ def under_journald(journal_dir: Path, tmp_path: Path) -> Path:
         f" && mount --bind {journal_dir} /run/systemd/journal"
         ' && exec 3>&1 && export JOURNAL_STREAM="$(stat -L -c %d:%i /proc/self/fd/3)"'
         ' && exec "$0" "$@"\' '
-        f'{TOKO_API} "$@"\n'
+        f'{program} "$@"\n'
     )
     wrapper.chmod(0o755)
     return wrapper
@@ -117,3 +118,40 @@ async def test_a_journald_that_stops_reading_holds_up_log_lines_not_requests(
     assert emails[-1]["PRODUCT_ID"] == str(product["id"])
     assert emails[-1]["SYSLOG_IDENTIFIER"] == "toko-api"
     assert not [e for e in entries if "DROPPED" in e]
+
+
+async def test_a_timer_job_waits_at_exit_for_journald_to_take_its_last_lines(
+    journal_dir: Path, tmp_path: Path
+) -> None:
+    journald = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    journald.setblocking(False)
+    journald.bind(str(journal_dir / "socket"))
+    with journald:
+        others = fill(journald)  # journald has not read for a while
+        job = await asyncio.create_subprocess_exec(
+            under_journald(journal_dir, tmp_path, TOKO_API.parent / "toko-backup"),
+            env={"PATH": os.environ["PATH"], "TOKO_DATABASE": str(tmp_path / "missing.db")},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            assert job.stderr is not None
+            first = await asyncio.wait_for(job.stderr.readline(), 10)
+            assert first.startswith(b"toko-backup: no database at ")
+            # Its last line ("toko-backup failed: ...") is waiting for journald:
+            # the exit waits too, well past the 2 s toko-api's stop allows.
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(job.wait()), 3)
+            for _ in range(others):  # journald reads again
+                await asyncio.get_running_loop().sock_recv(journald, 1 << 20)
+            entry = parse(
+                await asyncio.wait_for(asyncio.get_running_loop().sock_recv(journald, 1 << 20), 5)
+            )
+            assert await asyncio.wait_for(job.wait(), 5) == 1
+        finally:
+            if job.returncode is None:
+                job.kill()
+                await job.wait()
+    assert entry["MESSAGE"].startswith("toko-backup failed: no database at ")
+    assert entry["SYSLOG_IDENTIFIER"] == "toko-backup" and entry["PRIORITY"] == "3"
+    assert await job.stderr.read() == b""  # nothing lost

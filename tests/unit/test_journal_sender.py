@@ -17,6 +17,7 @@ import pytest
 
 from service.journal import JournalSender
 from service.logs import StructuredJournalHandler
+from tests.support.journald import fill
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def test_lines_beyond_the_backlog_are_dropped_counted_and_reported(
     assert sender.backlog == 5
     received = read_waiting(journald)
     while sender.backlog:  # journald reads again
-        sender.flush(timeout=0)
+        sender.send_backlog()
         received += read_waiting(journald)
     sender("after", SYSLOG_IDENTIFIER="toko-api")
     received += read_waiting(journald)
@@ -65,6 +66,37 @@ def test_lines_beyond_the_backlog_are_dropped_counted_and_reported(
     assert f"\nDROPPED={50 - kept}\n".encode() in notice
     assert b"\nPRIORITY=4\n" in notice and b"\nSYSLOG_IDENTIFIER=toko-api\n" in notice
     assert message(after) == "after"
+
+
+def test_the_exit_waits_for_journald_then_says_on_stderr_what_it_lost(
+    journald: socket.socket, capfd: pytest.CaptureFixture[str]
+) -> None:
+    sender = JournalSender(journald.getsockname(), flush_timeout=0.5)
+    others = fill(journald)
+    sender("last words")
+
+    def journald_reads_again() -> None:
+        for _ in range(others):
+            journald.recv(1 << 20)
+
+    reader = threading.Timer(0.1, journald_reads_again)
+    reader.start()
+    sender.flush()
+    reader.join()
+    assert [message(e) for e in read_waiting(journald)] == ["last words"]
+    assert capfd.readouterr().err == ""
+
+    fill(journald)  # and stops reading for good
+    sender("lost 1")
+    sender("lost 2")
+    started = time.monotonic()
+    sender.flush()
+    assert time.monotonic() - started >= 0.5
+    assert capfd.readouterr().err == (
+        "2 log lines were lost: the journal did not take them within 0.5 s of exit\n"
+    )
+    assert sender.backlog == 0
+    sender.close()
 
 
 def test_a_journald_that_is_not_there_costs_the_line_not_an_exception(tmp_path: Path) -> None:
@@ -131,7 +163,7 @@ def everything_sent(sender: JournalSender, journald: socket.socket) -> list[str]
     """The messages of all entries, journald reading again."""
     received = read_waiting(journald)
     while sender.backlog:
-        sender.flush(timeout=0)
+        sender.send_backlog()
         received += read_waiting(journald)
     sender.close()
     return [message(e) for e in received]
