@@ -320,7 +320,9 @@ def restore(database: str, source: Path, clock: Callable[[], float] = time.time)
     except InstanceLocked:
         raise JobFailed(f"toko-api is running; stop it first ({STOP_API}), then restore") from None
     try:
-        kept = _replace_database(Path(database), source, clock)
+        # The file itself: through a symbolic link (the database on a disk of
+        # its own), the link would be replaced and the file left as it was.
+        kept = _replace_database(Path(os.path.realpath(database)), source, clock)
     finally:
         lock.release()
     kept_as = {} if kept is None else {"PREVIOUS": str(kept)}  # nothing there before: no field

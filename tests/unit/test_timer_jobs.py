@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sqlite3
 import stat
 import threading
@@ -374,3 +375,22 @@ async def test_a_restore_names_the_replaced_database_only_if_there_was_one(
     assert first.__dict__["PREVIOUS"] == str(kept)
     # Not the string "None", as if a file by that name had been kept.
     assert "PREVIOUS" not in second.__dict__
+
+
+async def test_a_restore_through_a_symbolic_link_replaces_the_file_it_points_to(
+    tmp_path: Path,
+) -> None:
+    # The database on a disk of its own, named by a link where toko expects it.
+    (tmp_path / "disk").mkdir()
+    real = tmp_path / "disk" / "toko.db"
+    link = tmp_path / "toko.db"
+    link.symlink_to(real)
+    await seed(str(link), 1)
+    saved = backup.make_backup(str(link), tmp_path / "b", keep=3)
+    await seed(str(link), 2)
+    kept = backup.restore(str(link), saved)
+    assert link.is_symlink() and link.resolve() == real
+    assert count(real, "products") == 1
+    assert kept is not None and kept.parent == real.parent
+    assert count(kept, "products") == 3
+    assert sorted(os.listdir(tmp_path)) == ["b", "disk", "toko.db"]
