@@ -68,15 +68,26 @@ def list_backups(folder: Path, suffix: str = SUFFIX) -> list[Path]:
 
 
 def check_integrity(path: Path) -> None:
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    problem = integrity_problem(sqlite3.connect(f"file:{path}?mode=ro", uri=True))
+    if problem is not None:
+        raise JobFailed(f"{path} {problem}")
+
+
+def integrity_problem(conn: sqlite3.Connection) -> str | None:
+    """What ``PRAGMA integrity_check`` finds wrong with the database of ``conn``
+    (which it closes), as the end of a sentence; None if nothing."""
     try:
         rows = conn.execute("PRAGMA integrity_check").fetchall()
     except sqlite3.DatabaseError as exc:
-        raise JobFailed(f"{path} is not a usable SQLite database: {exc}") from exc
+        return f"is not a usable SQLite database: {exc}"
     finally:
         conn.close()
-    if rows != [("ok",)]:
-        raise JobFailed(f"{path} failed the integrity check: {rows[:3]}")
+    if rows == [("ok",)]:
+        return None
+    # One row per problem, the first under a "*** in database main ***" line.
+    problems = [ln for (row,) in rows for ln in str(row).splitlines() if not ln.startswith("***")]
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return f"failed the integrity check: {'; '.join(problems[:3])}{more}"
 
 
 def refuse_newer(source: Path, version: int, latest: int) -> None:
@@ -229,7 +240,19 @@ def make_backup(
         finally:
             target.close()
             source.close()
-        check_integrity(tmp)
+        try:
+            check_integrity(tmp)
+        except JobFailed:
+            # The online backup copies pages as they are: a damaged database
+            # gives a damaged copy. Say which of the two is, for that is what
+            # the admin must act on.
+            damage = integrity_problem(connect(database, read_only=True))
+            if damage is None:
+                raise
+            raise JobFailed(
+                f"the database {database} is damaged: it {damage}. No backup was written;"
+                " the last good ones are kept (README: A damaged database)"
+            ) from None
         # An emptied database file (or another program's) copies without an
         # error: published, it pushed the last good backups out. PostgreSQL's
         # backups check for the toko tables too. A newer schema is no reason

@@ -136,6 +136,16 @@ def _details_from_row(row: Sequence[Any]) -> JobDetails:
     return JobDetails(job=job_from_row(row[:9]), updated_at=row[9], lease_until=row[10])
 
 
+# SQLite's result codes for a damaged file (a failing disk): no retry or probe
+# makes such a database whole again.
+_DAMAGE_CODES = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
+
+
+def _is_damage(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)  # the extended code: its low byte is primary
+    return code is not None and code & 0xFF in _DAMAGE_CODES
+
+
 class SqliteStore:
     def __init__(
         self, path: str, *, clock: Callable[[], float] = time.time, readers: int = 2
@@ -153,6 +163,9 @@ class SqliteStore:
         # One connection per reader thread, lent out for each read.
         self._idle_readers: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
         self._write_health = WriteHealth()
+        # Why the file is damaged, from SQLite's first report of it; kept until a
+        # restart (see _noticed).
+        self._damage: str | None = None
 
     # lifecycle ---------------------------------------------------------------
     async def open(self) -> None:
@@ -239,6 +252,7 @@ class SqliteStore:
         try:
             result = await self._writer.run(fn, arg)
         except sqlite3.Error as exc:
+            self._noticed(exc)
             # A constraint a row broke says nothing about whether we can write.
             if not isinstance(exc, sqlite3.IntegrityError):
                 self._write_health.failed(exc)
@@ -255,7 +269,25 @@ class SqliteStore:
         try:
             return await loop.run_in_executor(self._readers, self._in_reader, fn)
         except sqlite3.Error as exc:
+            self._noticed(exc)
             raise StoreError(f"database read failed: {exc}") from exc
+
+    def _noticed(self, exc: sqlite3.Error) -> None:
+        """A damaged file (SQLite: "database disk image is malformed") is
+        unhealthy until a restart, and said once at critical priority.
+
+        Only the requests that touch a damaged page fail; the health probe's
+        one-page write would succeed and call the store healthy again, while
+        every POST failed. The damage is for the admin to repair (restore a
+        backup), and no later success undoes it.
+        """
+        if self._damage is None and _is_damage(exc):
+            self._damage = f"the database file is damaged: {exc} (README: A damaged database)"
+            log.critical(
+                "%s; what needs the damaged part fails with 503 until it is restored",
+                self._damage,
+                extra={"DATABASE": self.path},
+            )
 
     def _in_reader(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         # As many connections as threads: one is always idle for this thread.
@@ -391,14 +423,14 @@ class SqliteStore:
 
     @property
     def write_error(self) -> str | None:
-        return self._write_health.error
+        return self._damage or self._write_health.error
 
     async def probe_write(self) -> None:
         # A one-page write can still fit where a batch of products does not
         # (SQLite reuses its WAL file's space), so a nearly full disk counts
         # as full until it has room to spare again.
-        if self._file_guard.gone:
-            return  # refused until a restart, whatever a write would do now
+        if self._file_guard.gone or self._damage:
+            return  # unhealthy until a restart, whatever a write would do now
         try:
             free = await asyncio.to_thread(_free_bytes, self.path)
         except OSError as exc:  # its folder is gone, say

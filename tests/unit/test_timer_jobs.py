@@ -20,6 +20,7 @@ from service.store.lock import InstanceLock, is_locked
 from service.store.migrations import LATEST_VERSION
 from service.store.sqlite import SqliteStore
 from service.tasks import product_email_job
+from tests.support import db as db_files
 from tests.support.old_schema import make_sqlite_at
 from tests.unit.conftest import FakeClock
 
@@ -394,3 +395,23 @@ async def test_a_restore_through_a_symbolic_link_replaces_the_file_it_points_to(
     assert kept is not None and kept.parent == real.parent
     assert count(kept, "products") == 3
     assert sorted(os.listdir(tmp_path)) == ["b", "disk", "toko.db"]
+
+
+async def test_a_damaged_database_fails_the_backup_naming_it_and_keeps_the_good_ones(
+    tmp_path: Path,
+) -> None:
+    db = str(tmp_path / "toko.db")
+    folder = tmp_path / "b"
+    await seed(db, 3)
+    good = backup.make_backup(db, folder, keep=1)
+    db_files.damage_products_table(db)
+    with pytest.raises(JobFailed) as failed:
+        backup.make_backup(db, folder, keep=1)
+    # "it failed the integrity check: <what>", or, where the damage stops the
+    # check itself, "it is not a usable SQLite database: <SQLite's error>".
+    assert str(failed.value).startswith(f"the database {db} is damaged: it ")
+    assert str(failed.value).endswith(
+        ". No backup was written; the last good ones are kept (README: A damaged database)"
+    )
+    assert backup.list_backups(folder) == [good]
+    assert sorted(os.listdir(folder)) == [".toko-backup.lock", good.name]
