@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pwd
 import signal
 import sys
 from collections.abc import Callable
@@ -48,6 +49,30 @@ def stop_on_sigterm() -> None:
         raise Stopped
 
     signal.signal(signal.SIGTERM, stop)
+
+
+def root_on_anothers_database(database: Path, prog: str) -> str | None:
+    """Why root must not run ``prog`` on ``database``; None if it may.
+
+    A file root creates beside a database the service user owns is one that
+    user cannot open or replace: a -wal/-shm left by a crash stops toko-api
+    from starting; a backup folder, or its lock file, fails every nightly
+    backup after it. Where the database is not there yet (a restore), the
+    folder it goes in counts.
+    """
+    if os.geteuid() != 0:
+        return None
+    try:
+        owner = (database if database.exists() else database.parent).stat().st_uid
+    except OSError:
+        return None  # nothing there: the command itself will say so
+    if owner == 0:
+        return None
+    try:
+        user = pwd.getpwuid(owner).pw_name
+    except KeyError:
+        user = f"#{owner}"
+    return f"run as the database's owner, not root: sudo -u {user} {prog} ..."
 
 
 def require_database(database: str) -> None:
@@ -99,6 +124,10 @@ def run_job(
         flush_timeout=LOG_FLUSH_SECONDS,
     )
     try:
+        if not settings.is_postgres:
+            refused = root_on_anothers_database(Path(settings.database), name)
+            if refused:
+                raise JobFailed(refused)
         return body(args, settings)
     except JobFailed as exc:
         logging.getLogger(f"toko.{name}").error("%s failed: %s", name, exc)

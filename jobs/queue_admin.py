@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import os
-import pwd
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs import queue_tables
+from jobs.common import root_on_anothers_database
 from jobs.env_file import DEFAULT_ENV_FILE, EnvFileError, cli_environment
 from service import __version__
 from service.durations import parse_duration
@@ -226,16 +226,7 @@ def _sqlite_file_problem(database: Path) -> str | None:
     if not database.exists():
         # Opening would create an empty database: say where we looked instead.
         return f"no database at {database} (set TOKO_DATABASE, or --env-file)"
-    owner = database.stat().st_uid
-    if os.geteuid() == 0 and owner != 0:
-        # root would leave a root-owned -wal/-shm beside the file that the
-        # service user then cannot open: toko-api would fail to start.
-        try:
-            user = pwd.getpwuid(owner).pw_name
-        except KeyError:
-            user = f"#{owner}"
-        return f"run as the database's owner, not root: sudo -u {user} {PROG} ..."
-    return None
+    return root_on_anothers_database(database, PROG)
 
 
 def _store_hint(settings: Settings, exc: StoreError) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -307,17 +308,48 @@ def test_without_the_env_file_the_installed_database_is_used(
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root can hand a file to another user")
-async def test_root_is_refused_on_the_service_users_database(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["toko-queue", "stats"],
+        ["toko-recap", "--period", "2026-01-02"],
+        ["toko-backup"],
+        ["toko-alert", "toko-backup.service"],
+    ],
+)
+async def test_root_is_refused_on_the_service_users_database(
+    tmp_path: Path, command: list[str]
+) -> None:
+    # A file root leaves beside it (a -wal/-shm after a crash, the backup
+    # folder or its lock) is one toko-api or the nightly backup cannot open.
     database = tmp_path / "toko.db"
     env = {"TOKO_DATABASE": str(database)}
     await create_database(database)
     created = await run("toko-recap", "--period", "2026-01-01", env=env)
     assert created.returncode == 0, created
     os.chown(database, 65534, 65534)  # as if toko-api's user owned it
-    refused = await run("toko-queue", "stats", env=env)
+    before = sorted(os.listdir(tmp_path))
+    refused = await run(*command, env=env)
     assert refused.returncode == 1
-    assert "run as the database's owner" in refused.stderr
-    assert not (tmp_path / "toko.db-wal").exists()
+    user = pwd.getpwuid(65534).pw_name
+    assert refused.stderr == (
+        f"{command[0]}: run as the database's owner, not root: sudo -u {user} {command[0]} ...\n"
+    )
+    assert sorted(os.listdir(tmp_path)) == before  # no -wal, no backups/
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can hand a file to another user")
+async def test_root_is_refused_a_restore_into_the_service_users_folder(tmp_path: Path) -> None:
+    saved = tmp_path / "saved.db"
+    await create_database(saved)
+    folder = tmp_path / "state"
+    folder.mkdir()
+    os.chown(folder, 65534, 65534)  # StateDirectory=, before toko-api ever ran
+    env = {"TOKO_DATABASE": str(folder / "toko.db")}
+    refused = await run("toko-backup", "--restore", str(saved), env=env)
+    assert refused.returncode == 1
+    assert "run as the database's owner, not root" in refused.stderr
+    assert os.listdir(folder) == []
 
 
 def test_a_schema_upgrade_it_applies_is_said_once(
