@@ -10,6 +10,16 @@ What the process still has open may be the only copy of that data, so it
 is saved beside the path first, or, when it cannot be written there (the
 whole folder deleted, a full disk), the message says which ``/proc`` file to
 copy before the process ends.
+
+The same goes for the write-ahead log beside it (``rm toko.db-*``): every
+commit since the last checkpoint is only in that file, and SQLite goes on
+appending to the unlinked one. A ``kill -9`` then loses them all, and other
+processes (toko-queue, toko-backup) open a new, empty log and see an old
+database. So the writer folds the log it still has open into the database
+file, which is still linked, and refuses writes until a restart, because from
+then on its log and its locks are not the ones other processes use. The
+log's inode does not change while toko-api runs: checkpoints rewind or
+truncate it in place, and only the last connection to close deletes it.
 """
 
 from __future__ import annotations
@@ -43,7 +53,9 @@ class FileGuard:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.wal_path = f"{path}-wal"  # until opened() knows where SQLite put it
         self._identity: tuple[int, int] | None = None
+        self._wal_identity: tuple[int, int] | None = None
         self._gone: DatabaseFileGone | None = None
 
     @property
@@ -51,28 +63,64 @@ class FileGuard:
         """Whether ``check`` has found the file gone (for good: only a restart reopens)."""
         return self._gone is not None
 
-    def opened(self) -> None:
-        """Remember which file the writer's connection has just opened."""
+    def opened(self, conn: sqlite3.Connection) -> None:
+        """Remember which files the writer's connection ``conn`` has just opened."""
         self._identity = file_identity(self.path)
+        # Beside the file a symbolic link at the path points to: SQLite names
+        # the log after the real file.
+        self.wal_path = f"{_main_file(conn) or self.path}-wal"
+        # The connection has read the database in WAL mode, which opens the log.
+        self._wal_identity = file_identity(self.wal_path)
 
     def check(self, conn: sqlite3.Connection) -> None:
-        """Raise DatabaseFileGone if the path no longer names the file ``conn`` writes.
+        """Raise DatabaseFileGone if the path no longer names the file ``conn`` writes,
+        or its write-ahead log path no longer names the log ``conn`` writes.
 
-        The first time it finds the file gone, it saves what ``conn`` still sees.
+        The first time it finds either gone, it saves what ``conn`` still sees.
         """
         if self._gone is None:
             try:
                 now = file_identity(self.path)
+                wal = file_identity(self.wal_path) if now == self._identity else None
             except OSError:
                 return  # cannot tell (a permission changed?): SQLite will say if it matters
-            if now == self._identity:
+            if now != self._identity:
+                self._gone = self._file_gone(conn, now)
+            elif wal == self._wal_identity:
                 return
-            self._gone = DatabaseFileGone(
-                f"the database file {self.path} was deleted or replaced while toko-api ran;"
-                " restart toko-api to use the file now at that path"
-            )
-            self._save(conn, "deleted or moved away" if now is None else "replaced")
+            elif self._wal_identity is None:  # none at open: the log this commit wrote
+                self._wal_identity = wal
+                return
+            else:
+                self._gone = self._wal_gone(conn, wal)
         raise self._gone
+
+    def _file_gone(self, conn: sqlite3.Connection, now: tuple[int, int] | None) -> DatabaseFileGone:
+        what = "deleted or moved away" if now is None else "replaced"
+        self._save(conn, f"database file {what}")
+        return DatabaseFileGone(
+            f"the database file {self.path} was deleted or replaced while toko-api ran;"
+            " restart toko-api to use the file now at that path"
+        )
+
+    def _wal_gone(self, conn: sqlite3.Connection, now: tuple[int, int] | None) -> DatabaseFileGone:
+        what = "deleted" if now is None else "replaced"
+        if _checkpointed(conn):
+            log.critical(
+                "database write-ahead log %s while running: refusing writes, which would"
+                " go to a log no other process sees. Everything stored until now is in %s;"
+                " restart toko-api now, and run no toko-queue command before that: the"
+                " stopping toko-api deletes the log it writes to",
+                what,
+                self.path,
+                extra={"DATABASE": self.path, "WAL": self.wal_path},
+            )
+        else:
+            self._save(conn, f"database write-ahead log {what}")
+        return DatabaseFileGone(
+            f"the database's write-ahead log {self.wal_path} was {what} while toko-api ran;"
+            " restart toko-api to use the database again"
+        )
 
     def _save(self, conn: sqlite3.Connection, what: str) -> None:
         # Fold the WAL into the open file first, so that file alone is whole.
@@ -87,7 +135,7 @@ class FileGuard:
             _copy(conn, rescued)
         except (OSError, sqlite3.Error) as exc:
             log.critical(
-                "database file %s while running: refusing writes, which would be lost."
+                "%s while running: refusing writes, which would be lost."
                 " Could not save its contents beside it (%s); they are in %s until toko-api"
                 " stops: copy that file, then restart toko-api",
                 what,
@@ -97,7 +145,7 @@ class FileGuard:
             )
             return
         log.critical(
-            "database file %s while running: refusing writes, which would be lost."
+            "%s while running: refusing writes, which would be lost."
             " Its contents up to now are saved in %s; put that back at %s (or keep the"
             " file now there), then restart toko-api",
             what,
@@ -105,6 +153,26 @@ class FileGuard:
             self.path,
             extra={"DATABASE": self.path, "RESCUED": str(rescued)},
         )
+
+
+def _main_file(conn: sqlite3.Connection) -> str | None:
+    """The path SQLite opened for ``conn``'s database, symbolic links resolved."""
+    for _, name, file in conn.execute("PRAGMA database_list"):
+        if name == "main":
+            return str(file) or None
+    return None
+
+
+def _checkpointed(conn: sqlite3.Connection) -> bool:
+    """Whether ``conn``'s whole write-ahead log is now durably in the database file."""
+    # Into the file the connection has open, which is still the one at the path:
+    # synchronous=FULL makes the checkpoint sync it before it empties the log.
+    try:
+        busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    except sqlite3.Error as exc:
+        log.warning("checkpoint of the vanished write-ahead log failed: %s", exc)
+        return False
+    return bool(busy == 0)
 
 
 def _copy(conn: sqlite3.Connection, target: Path) -> None:

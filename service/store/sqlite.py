@@ -209,7 +209,7 @@ class SqliteStore:
 
     def _connect_writer(self) -> sqlite3.Connection:
         conn = connect(self.path)
-        self._file_guard.opened()
+        self._file_guard.opened(conn)
         return conn
 
     async def close(self) -> None:

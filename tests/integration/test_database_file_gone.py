@@ -5,6 +5,8 @@ after an ``rm`` (or a ``mv`` over the file) would be a product the next start
 cannot see. toko-api notices after the next commit (the claimer commits every
 second even when idle), refuses every write from then on, says so on
 /healthz, and saves what it still has open so nothing acknowledged is lost.
+The same for its write-ahead log (``rm toko.db-*``), which holds every commit
+since the last checkpoint: that goes into the database file, still there.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from tests.conftest import ServiceFactory
+from tests.operability.cli import run
 from tests.support import db
 from tests.support.api import create_product, healthz
 from tests.support.scrape import scrape
@@ -26,6 +30,7 @@ from tests.support.service import ServiceProcess
 
 STORE_DOWN = {"error": "storage is unavailable; try again shortly"}
 GONE = "was deleted or replaced while toko-api ran; restart toko-api"
+WAL_GONE = "write-ahead log {} was deleted while toko-api ran; restart toko-api"
 
 
 async def started(service_factory: ServiceFactory, database: Path) -> ServiceProcess:
@@ -34,25 +39,27 @@ async def started(service_factory: ServiceFactory, database: Path) -> ServicePro
     return svc
 
 
-async def gone_line(svc: ServiceProcess) -> dict[str, Any]:
+async def gone_line(svc: ServiceProcess, start: str = "database file ") -> dict[str, Any]:
     """The one CRITICAL line that says the file is gone (within the claimer's 1 s sweep)."""
     record: dict[str, Any] = await svc.logs.async_wait_for(
         lambda records: next(
-            (r for r in records if str(r.get("message", "")).startswith("database file ")), None
+            (r for r in records if str(r.get("message", "")).startswith(start)), None
         ),
         10,
-        "database file ... while running",
+        f"{start}... while running",
     )
     assert record["level"] == "CRITICAL", record
     return record
 
 
-async def assert_refusing(session: aiohttp.ClientSession, svc: ServiceProcess) -> None:
+async def assert_refusing(
+    session: aiohttp.ClientSession, svc: ServiceProcess, gone: str = GONE
+) -> None:
     async with session.post(f"{svc.base_url}/produk", json={"nama": "x", "harga": 1}) as resp:
         assert (resp.status, await resp.json()) == (503, STORE_DOWN)
     status, health = await healthz(session, svc.base_url)
     assert status == 503
-    assert GONE in health["error"], health
+    assert gone in health["error"], health
     assert (await scrape(session, svc.base_url)).value("toko_store_writable") == 0
 
 
@@ -61,6 +68,12 @@ def remove_database(folder: Path) -> None:
     for path in folder.glob("toko.db*"):
         if not path.name.endswith(".lock"):
             path.unlink()
+
+
+def remove_log(database: Path) -> None:
+    """rm toko.db-wal toko.db-shm: SQLite's write-ahead log and its index."""
+    for suffix in ("-wal", "-shm"):
+        Path(f"{database}{suffix}").unlink()
 
 
 def assert_whole(database: Path, products: list[dict[str, Any]]) -> None:
@@ -160,3 +173,49 @@ async def test_a_deleted_folder_leaves_a_copy_to_take_from_proc(
     svc.terminate()
     assert await svc.async_wait_exit(timeout=30) == 0
     assert_whole(saved, made)
+
+
+@pytest.mark.parametrize("linked", [False, True], ids=["file", "symbolic-link"])
+async def test_a_deleted_write_ahead_log_is_folded_into_the_database(
+    service_factory: ServiceFactory, tmp_path: Path, linked: bool
+) -> None:
+    database = tmp_path / "toko.db"
+    # Through a symbolic link, SQLite keeps its log beside the file linked to.
+    real = tmp_path / "data" / "shop.db" if linked else database
+    if linked:
+        real.parent.mkdir()
+        database.symlink_to(real)
+    wal = Path(f"{real}-wal")
+    env = {"TOKO_DATABASE": str(database)}
+    svc = await started(service_factory, database)
+    async with aiohttp.ClientSession() as session:
+        made = [await create_product(session, svc.base_url, f"Kopi {n}", n) for n in range(3)]
+        # What does not replace the log: another process that checkpoints,
+        # truncates and closes it, and toko's commands opening and closing it.
+        with closing(sqlite3.connect(database)) as other:
+            other.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        assert (await run("toko-queue", "stats", env=env)).returncode == 0
+        made.append(await create_product(session, svc.base_url, "Teh", 4))
+
+        # Every commit since the last checkpoint is only in the log toko-api has open.
+        remove_log(real)
+
+        line = await gone_line(svc, "database write-ahead log ")
+        assert line["message"].startswith("database write-ahead log deleted while running")
+        assert (line["DATABASE"], line["WAL"]) == (str(database), str(wal))
+        await assert_refusing(session, svc, WAL_GONE.format(wal))
+        # Other commands, with a log of their own, see everything stored.
+        backup = await run("toko-backup", env=env)
+        assert backup.returncode == 0, backup
+        (written,) = [r for r in backup.log_records() if r["message"] == "backup written"]
+        assert_whole(Path(written["PATH"]), made)
+
+    # Even a kill -9, which takes the deleted log with it, loses nothing.
+    svc.kill()
+    assert await svc.async_wait_exit(timeout=30) == -9
+    assert_whole(database, made)
+    assert not list(real.parent.glob("*.rescued-*")), "the database file itself is whole"
+
+    again = await started(service_factory, database)
+    async with aiohttp.ClientSession() as session:
+        await create_product(session, again.base_url, "Susu", 5)
