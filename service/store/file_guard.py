@@ -16,10 +16,13 @@ commit since the last checkpoint is only in that file, and SQLite goes on
 appending to the unlinked one. A ``kill -9`` then loses them all, and other
 processes (toko-queue, toko-backup) open a new, empty log and see an old
 database. So the writer folds the log it still has open into the database
-file, which is still linked, and refuses writes until a restart, because from
-then on its log and its locks are not the ones other processes use. The
-log's inode does not change while toko-api runs: checkpoints rewind or
-truncate it in place, and only the last connection to close deletes it.
+file, which is still linked, and refuses writes, because from then on its
+log and its locks are not the ones other processes use; then toko-api stops
+for systemd to restart it with a new log. The sooner the better: the
+stopping process deletes the new log, with whatever a toko-queue command
+wrote there meanwhile, as its own. The log's inode does not change while
+toko-api runs: checkpoints rewind or truncate it in place, and only the last
+connection to close deletes it.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class FileGuard:
         self._identity: tuple[int, int] | None = None
         self._wal_identity: tuple[int, int] | None = None
         self._gone: DatabaseFileGone | None = None
+        # Whether a restart alone puts things right: the log was folded into the
+        # database file, and no file needs the admin's choice.
+        self.restart_heals = False
 
     @property
     def gone(self) -> bool:
@@ -106,11 +112,11 @@ class FileGuard:
     def _wal_gone(self, conn: sqlite3.Connection, now: tuple[int, int] | None) -> DatabaseFileGone:
         what = "deleted" if now is None else "replaced"
         if _checkpointed(conn):
+            self.restart_heals = True
             log.critical(
-                "database write-ahead log %s while running: refusing writes, which would"
-                " go to a log no other process sees. Everything stored until now is in %s;"
-                " restart toko-api now, and run no toko-queue command before that: the"
-                " stopping toko-api deletes the log it writes to",
+                "database write-ahead log %s while running: everything stored until now is"
+                " in %s. toko-api stops, for a restart (systemd's) to open a new log: its"
+                " writes would go to a log no other process sees",
                 what,
                 self.path,
                 extra={"DATABASE": self.path, "WAL": self.wal_path},

@@ -223,8 +223,9 @@ class SqliteStore:
             self._idle_readers.get_nowait().close()
 
     async def wait_broken(self) -> None:
-        """Raise StoreError once the writer thread has died: no write can succeed
-        until a restart, so toko-api supervises this like its other side tasks."""
+        """Raise StoreError once no write can succeed until a restart (the writer
+        thread died, the write-ahead log was deleted): toko-api supervises this
+        like its other side tasks."""
         if self._broken is None:
             raise StoreError("the store is not open")
         await asyncio.shield(self._broken)
@@ -233,14 +234,15 @@ class SqliteStore:
         broken = self._broken
         if broken is None:
             return
-
-        def tell() -> None:
-            if not broken.done():
-                broken.set_exception(StoreError(f"the SQLite writer thread died: {exc!r}"))
-
+        failure = StoreError(f"the SQLite writer thread died: {exc!r}")
         # A closed loop has nobody left to tell.
         with contextlib.suppress(RuntimeError):
-            broken.get_loop().call_soon_threadsafe(tell)
+            broken.get_loop().call_soon_threadsafe(self._break, failure)
+
+    def _break(self, failure: StoreError) -> None:
+        """Tell wait_broken()'s caller that only a restart makes the store work again."""
+        if self._broken is not None and not self._broken.done():
+            self._broken.set_exception(failure)
 
     @property
     def writer_stats(self) -> tuple[int, int]:
@@ -253,6 +255,8 @@ class SqliteStore:
             result = await self._writer.run(fn, arg)
         except sqlite3.Error as exc:
             self._noticed(exc)
+            if self._file_guard.restart_heals:
+                self._break(StoreError(f"the database needs a restart: {exc}"))
             # A constraint a row broke says nothing about whether we can write.
             if not isinstance(exc, sqlite3.IntegrityError):
                 self._write_health.failed(exc)
