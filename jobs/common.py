@@ -13,7 +13,7 @@ from pathlib import Path
 from types import FrameType
 
 from service import __version__
-from service.logs import setup_logging
+from service.logs import setup_logging, stop_waiting_for_journald
 from service.settings import ConfigError, Settings, output_is_journal
 
 # How long a job's exit waits for a journald that does not read (stopped,
@@ -99,6 +99,25 @@ def run_job(
     Bad settings end as one line and exit 2, logged at error priority too.
     ``without_settings`` is what a job still does then; it returns the line.
     """
+    try:
+        return _run_job(name, parser, body, without_settings)
+    finally:
+        # Only the exit's wait for journald is left (up to LOG_FLUSH_SECONDS): a
+        # SIGTERM now ends it, and stderr still counts what is lost. Stopped,
+        # raised inside that wait, was a traceback on stderr and no count.
+        signal.signal(signal.SIGTERM, _stop_waiting_for_journald)
+
+
+def _stop_waiting_for_journald(signum: int, frame: FrameType | None) -> None:
+    stop_waiting_for_journald()
+
+
+def _run_job(
+    name: str,
+    parser: argparse.ArgumentParser,
+    body: Callable[[argparse.Namespace, Settings], int],
+    without_settings: Callable[[argparse.Namespace, ConfigError], str] | None,
+) -> int:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     args = parser.parse_args()
     try:

@@ -60,6 +60,8 @@ class JournalSender:
         self.path = path
         self.max_backlog = max_backlog
         self.flush_timeout = flush_timeout
+        # Set by stop_waiting(): flush() gives up on journald at once.
+        self._stop_waiting = False
         self.dropped = 0
         self._backlog: collections.deque[bytes] = collections.deque()
         # Held while the backlog changes: by the caller, or by the retry thread.
@@ -98,17 +100,25 @@ class JournalSender:
         """At exit only: send the backlog, waiting up to ``flush_timeout`` for
         journald; what it still holds then is lost, and stderr says how much."""
         deadline = time.monotonic() + self.flush_timeout
-        while self.send_backlog() and time.monotonic() < deadline:
+        while self.send_backlog() and time.monotonic() < deadline and not self._stop_waiting:
             time.sleep(0.01)
         with self.lock:
             lost = len(self._backlog) + self.dropped
             self._backlog.clear()
             self.dropped = 0
         if lost:
-            _tell_stderr(
-                f"{lost} log lines were lost: the journal did not take them"
-                f" within {self.flush_timeout:g} s of exit\n"
+            when = (
+                "before the program was stopped at exit"
+                if self._stop_waiting
+                else f"within {self.flush_timeout:g} s of exit"
             )
+            _tell_stderr(f"{lost} log lines were lost: the journal did not take them {when}\n")
+
+    def stop_waiting(self) -> None:
+        """End flush()'s wait for journald now (a SIGTERM at exit). Safe in a
+        signal handler: it only sets a flag, and takes no lock the interrupted
+        flush() may hold."""
+        self._stop_waiting = True
 
     def close(self) -> None:
         self._sock.close()

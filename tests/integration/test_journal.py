@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -25,7 +26,7 @@ from tests.conftest import ServiceFactory
 from tests.support import db
 from tests.support.api import create_product, create_products, wait_healthy
 from tests.support.journald import fill
-from tests.support.service import TOKO_API
+from tests.support.service import TOKO_API, clean_environment
 
 pytestmark = pytest.mark.root
 
@@ -130,7 +131,7 @@ async def test_a_timer_job_waits_at_exit_for_journald_to_take_its_last_lines(
         others = fill(journald)  # journald has not read for a while
         job = await asyncio.create_subprocess_exec(
             under_journald(journal_dir, tmp_path, TOKO_API.parent / "toko-backup"),
-            env={"PATH": os.environ["PATH"], "TOKO_DATABASE": str(tmp_path / "missing.db")},
+            env=clean_environment(TOKO_DATABASE=str(tmp_path / "missing.db")),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
@@ -155,3 +156,37 @@ async def test_a_timer_job_waits_at_exit_for_journald_to_take_its_last_lines(
     assert entry["MESSAGE"].startswith("toko-backup failed: no database at ")
     assert entry["SYSLOG_IDENTIFIER"] == "toko-backup" and entry["PRIORITY"] == "3"
     assert await job.stderr.read() == b""  # nothing lost
+
+
+async def test_a_sigterm_ends_a_timer_jobs_wait_for_journald_and_it_counts_what_is_lost(
+    journal_dir: Path, tmp_path: Path
+) -> None:
+    journald = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    journald.setblocking(False)
+    journald.bind(str(journal_dir / "socket"))
+    with journald:
+        fill(journald)  # journald has stopped reading, and does not read again
+        job = await asyncio.create_subprocess_exec(
+            under_journald(journal_dir, tmp_path, TOKO_API.parent / "toko-backup"),
+            env=clean_environment(TOKO_DATABASE=str(tmp_path / "missing.db")),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            assert job.stderr is not None
+            first = await asyncio.wait_for(job.stderr.readline(), 10)
+            assert first.startswith(b"toko-backup: no database at ")
+            with pytest.raises(TimeoutError):  # waiting for journald to take its last line
+                await asyncio.wait_for(asyncio.shield(job.wait()), 1)
+            # systemctl stop, or a shutdown, while the job waits at exit.
+            job.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(job.wait(), 5) == 1  # well before its 30 s
+        finally:
+            if job.returncode is None:
+                job.kill()
+                await job.wait()
+    # Not Stopped's traceback: the count of what journald never got.
+    assert await job.stderr.read() == (
+        b"1 log lines were lost: the journal did not take them"
+        b" before the program was stopped at exit\n"
+    )

@@ -99,6 +99,26 @@ def test_the_exit_waits_for_journald_then_says_on_stderr_what_it_lost(
     sender.close()
 
 
+def test_stop_waiting_ends_the_exit_wait_at_once_and_the_loss_is_still_counted(
+    journald: socket.socket, capfd: pytest.CaptureFixture[str]
+) -> None:
+    sender = JournalSender(journald.getsockname(), flush_timeout=30)
+    fill(journald)  # journald stopped reading, and does not read again
+    sender("lost")
+    stopper = threading.Timer(0.1, sender.stop_waiting)  # a SIGTERM's handler, say
+    started = time.monotonic()
+    stopper.start()
+    sender.flush()
+    stopper.join()
+    assert time.monotonic() - started < 5
+    assert capfd.readouterr().err == (
+        "1 log lines were lost: the journal did not take them before the program was stopped"
+        " at exit\n"
+    )
+    assert sender.backlog == 0
+    sender.close()
+
+
 def test_a_journald_that_is_not_there_costs_the_line_not_an_exception(tmp_path: Path) -> None:
     sender = JournalSender(str(tmp_path / "no-socket"))
     sender("lost")
