@@ -746,3 +746,22 @@ def test_uninstall_keeps_the_data(toko: Deployment) -> None:
     for unit in ("toko-api.socket", "toko-api.service", "toko-recap.timer", "toko-backup.timer"):
         assert toko.show(unit, "UnitFileState") == "enabled", unit
         assert toko.show(unit, "ActiveState") == "active", unit
+
+
+def test_make_as_a_user_without_sudo_says_what_root_must_install(toko: Deployment) -> None:
+    # `make run` as a user on a Debian installed with a root password (no
+    # sudo) ended in "sudo: not found" when a build package was missing.
+    assert toko.machine.sh("command -v sudo", check=False).returncode != 0
+    installed = "dpkg-query -W -f='${Status}' strace | grep -q 'install ok installed'"
+    assert toko.machine.sh(installed, check=False).returncode != 0
+    script = "/tmp/ensure-apt.sh"  # out of /root, where the user cannot read
+    toko.machine.run(["install", "-m", "0755", f"{CHECKOUT}/scripts/ensure-apt.sh", script])
+    proc = toko.machine.run(
+        ["runuser", "-u", "nobody", "--", script, "make", "strace"], check=False
+    )
+    assert proc.returncode == 1, proc
+    assert proc.stdout == ""
+    assert proc.stderr == (
+        "missing Debian packages: strace; without sudo, install them as root"
+        " (su -, then: apt-get install strace) and run make again\n"
+    )
