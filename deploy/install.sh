@@ -9,6 +9,10 @@
 # the data in /var/lib/toko and each unit enabled, disabled or masked as the
 # admin left it.
 set -eu
+# A root shell from a plain `su` (no dash) keeps the user's PATH, which lacks
+# the sbin directories where useradd is.
+PATH=$PATH:/usr/local/sbin:/usr/sbin:/sbin
+export PATH
 
 PREFIX=/opt/toko
 VENV=$PREFIX/venv

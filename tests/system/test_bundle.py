@@ -765,3 +765,26 @@ def test_make_as_a_user_without_sudo_says_what_root_must_install(toko: Deploymen
         "missing Debian packages: strace; without sudo, install them as root"
         " (su -, then: apt-get install strace) and run make again\n"
     )
+
+
+# Root's PATH in a plain `su` (no dash): the user's, login.defs' ENV_PATH.
+USER_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/games:/usr/games"
+
+
+def test_first_install_from_a_plain_su_root_shell(toko: Deployment) -> None:
+    # A Debian installed with a root password has no sudo, and its admin's
+    # root shell is often a plain `su`, without /usr/sbin on the PATH: the
+    # first install stopped at "useradd: not found".
+    products = toko.sql("SELECT count(*) FROM products")[0][0]
+    toko.make("uninstall")
+    toko.machine.run(["userdel", "toko"])
+    su = f"cd {CHECKOUT} && make install"
+    install = toko.machine.run(
+        ["env", f"PATH={USER_PATH}", "su", "-c", su], check=False, timeout=600
+    )
+    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
+    assert "creating system user toko" in install.stdout
+    toko.wait_serving()
+    toko.read_token()
+    assert toko.sql("SELECT count(*) FROM products")[0][0] == products
+    assert toko.post_product("Dipasang dari su")["id"] > 0
