@@ -51,8 +51,8 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
-def root_on_anothers_database(database: Path, prog: str) -> str | None:
-    """Why root must not run ``prog`` on ``database``; None if it may.
+def anothers_database(database: Path) -> str | None:
+    """The user root must run as on ``database``, another's; None if root may.
 
     A file root creates beside a database the service user owns is one that
     user cannot open or replace: a -wal/-shm left by a crash stops toko-api
@@ -69,10 +69,9 @@ def root_on_anothers_database(database: Path, prog: str) -> str | None:
     if owner == 0:
         return None
     try:
-        user = pwd.getpwuid(owner).pw_name
+        return pwd.getpwuid(owner).pw_name
     except KeyError:
-        user = f"#{owner}"
-    return f"run as the database's owner, not root: sudo -u {user} {prog} ..."
+        return f"#{owner}"
 
 
 def require_database(database: str) -> None:
@@ -143,10 +142,15 @@ def _run_job(
         flush_timeout=LOG_FLUSH_SECONDS,
     )
     try:
-        if not settings.is_postgres:
-            refused = root_on_anothers_database(Path(settings.database), name)
-            if refused:
-                raise JobFailed(refused)
+        owner = None if settings.is_postgres else anothers_database(Path(settings.database))
+        if owner:
+            # Not "sudo -u": a job reads no toko.env itself, so it would run
+            # without the service's settings (another database, even).
+            raise JobFailed(
+                f"run as the database's owner ({owner}) with the service's settings,"
+                " not as root: through systemd-run, as the README's toko helper does"
+                " (README: Every day)"
+            )
         return body(args, settings)
     except JobFailed as exc:
         logging.getLogger(f"toko.{name}").error("%s failed: %s", name, exc)

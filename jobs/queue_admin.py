@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs import queue_tables
-from jobs.common import root_on_anothers_database
+from jobs.common import anothers_database
 from jobs.env_file import DEFAULT_ENV_FILE, EnvFileError, cli_environment
 from service import __version__
 from service.durations import parse_duration
@@ -226,7 +226,9 @@ def _sqlite_file_problem(database: Path) -> str | None:
     if not database.exists():
         # Opening would create an empty database: say where we looked instead.
         return f"no database at {database} (set TOKO_DATABASE, or --env-file)"
-    return root_on_anothers_database(database, PROG)
+    owner = anothers_database(database)
+    # toko-queue reads toko.env itself: as the owner, it has the service's settings.
+    return owner and f"run as the database's owner, not root: sudo -u {owner} {PROG} ..."
 
 
 def _store_hint(settings: Settings, exc: StoreError) -> str | None:

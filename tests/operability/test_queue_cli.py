@@ -332,9 +332,14 @@ async def test_root_is_refused_on_the_service_users_database(
     refused = await run(*command, env=env)
     assert refused.returncode == 1
     user = pwd.getpwuid(65534).pw_name
-    assert refused.stderr == (
-        f"{command[0]}: run as the database's owner, not root: sudo -u {user} {command[0]} ...\n"
-    )
+    if command[0] == "toko-queue":  # it reads toko.env itself, so sudo -u keeps the settings
+        hint = f"run as the database's owner, not root: sudo -u {user} toko-queue ..."
+    else:
+        hint = (
+            f"run as the database's owner ({user}) with the service's settings, not as root:"
+            " through systemd-run, as the README's toko helper does (README: Every day)"
+        )
+    assert refused.stderr == f"{command[0]}: {hint}\n"
     assert sorted(os.listdir(tmp_path)) == before  # no -wal, no backups/
 
 
@@ -348,7 +353,7 @@ async def test_root_is_refused_a_restore_into_the_service_users_folder(tmp_path:
     env = {"TOKO_DATABASE": str(folder / "toko.db")}
     refused = await run("toko-backup", "--restore", str(saved), env=env)
     assert refused.returncode == 1
-    assert "run as the database's owner, not root" in refused.stderr
+    assert "run as the database's owner (" in refused.stderr
     assert os.listdir(folder) == []
 
 
