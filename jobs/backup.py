@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import sqlite3
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -65,6 +66,17 @@ def list_backups(folder: Path, suffix: str = SUFFIX) -> list[Path]:
         raise _unusable_folder(folder, FileExistsError())
     name = re.compile(_backup_pattern(suffix))
     return sorted(p for p in folder.iterdir() if name.fullmatch(p.name) and p.is_file())
+
+
+def print_backups(folder: Path, suffix: str) -> None:
+    """``--list``: each backup with its size; where none are, the folder looked in."""
+    backups = list_backups(folder, suffix)
+    for path in backups:
+        print(f"{path}  {path.stat().st_size} bytes")
+    if not backups:
+        # On stderr, so that a script reading the list gets none: but the admin
+        # sees where it looked (run without the service's settings, ./var).
+        print(f"toko-backup: no backups in {folder.absolute()} (TOKO_BACKUP_DIR)", file=sys.stderr)
 
 
 def check_integrity(path: Path) -> None:
@@ -362,8 +374,7 @@ def _main(args: argparse.Namespace, settings: Settings) -> int:
     folder = Path(settings.backup_dir)
     try:
         if args.list:
-            for path in list_backups(folder):
-                print(f"{path}  {path.stat().st_size} bytes")
+            print_backups(folder, SUFFIX)
         elif args.restore:
             kept = restore(settings.database, Path(args.restore))
             print(f"restored {args.restore} into {settings.database}")

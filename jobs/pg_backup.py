@@ -33,7 +33,7 @@ from jobs.backup import (
     PREFIX,
     STOP_API,
     backup_name,
-    list_backups,
+    print_backups,
     publish_backup,
     refuse_newer,
 )
@@ -305,8 +305,7 @@ def run(list_only: bool, restore_file: str | None, settings: Settings) -> int:
     folder = backup_folder(settings)
     try:
         if list_only:
-            for path in list_backups(folder, SUFFIX):
-                print(f"{path}  {path.stat().st_size} bytes")
+            print_backups(folder, SUFFIX)
         elif restore_file:
             kept = restore(settings, Path(restore_file), folder)
             print(f"restored {restore_file} into {redact(settings.database)}")

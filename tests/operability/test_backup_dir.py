@@ -66,10 +66,11 @@ async def test_listing_a_backup_directory_that_is_a_file_fails_instead_of_showin
     assert listed.stderr.splitlines() == [
         f"toko-backup: cannot use {folder} for backups (TOKO_BACKUP_DIR): it is not a directory"
     ]
-    # No folder yet: no backups yet, nothing to say.
+    # No folder yet: no backups yet, and where it looked (stdout stays empty).
     env["TOKO_BACKUP_DIR"] = str(tmp_path / "none")
     listed = await run("toko-backup", "--list", env=env)
-    assert (listed.returncode, listed.stderr) == (0, "")
+    assert (listed.returncode, listed.stdout) == (0, "")
+    assert listed.stderr == f"toko-backup: no backups in {tmp_path / 'none'} (TOKO_BACKUP_DIR)\n"
 
 
 @pytest.mark.root

@@ -175,7 +175,7 @@ async def test_backup_while_writing_restores_into_an_empty_database(
     (kept_line,) = [line for line in printed(done.stdout) if "kept as" in line]
     kept = Path(kept_line.rsplit(" ", 1)[1])
     assert kept.parent == backups and stat.S_IMODE(os.stat(kept).st_mode) == 0o600
-    assert kept not in pg_backup.list_backups(backups, pg_backup.SUFFIX)  # never pruned
+    assert kept not in backup.list_backups(backups, pg_backup.SUFFIX)  # never pruned
     for url in (empty, second):
         await pg_cluster.async_drop_database(url)
 
@@ -305,12 +305,12 @@ async def test_backups_are_pruned_and_verified(
         path.rename(renamed)
         made.append(renamed)
     backup.prune(folder, 2, pg_backup.SUFFIX)
-    assert pg_backup.list_backups(folder, pg_backup.SUFFIX) == made[1:]
+    assert backup.list_backups(folder, pg_backup.SUFFIX) == made[1:]
     for path in made[1:]:
         await asyncio.to_thread(pg_backup.check_archive, settings, path)
     # A clock behind (2000-01-01) names the new backup oldest: it is kept all the same.
     late = await asyncio.to_thread(pg_backup.make_backup, settings, folder, 2, lambda: 946684800.0)
-    assert pg_backup.list_backups(folder, pg_backup.SUFFIX) == [late, made[2]]
+    assert backup.list_backups(folder, pg_backup.SUFFIX) == [late, made[2]]
 
     bad = tmp_path / "bad.dump"
     bad.write_bytes(b"PGDMP but not really" * 100)
