@@ -244,6 +244,13 @@ async def _restore(
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise JobFailed(f"cannot connect to {redact(settings.database)}: {exc}") from exc
     try:
+        # The lock below lasts as long as this session, idle while pg_dump and
+        # pg_restore run: an idle_session_timeout set for the role or database
+        # (PostgreSQL 14+) closed it mid-restore, and let toko-api in.
+        await conn.execute(
+            "SELECT set_config('idle_session_timeout', '0', false)"
+            " WHERE current_setting('idle_session_timeout', true) IS NOT NULL"
+        )
         # Held for the whole restore: a toko-api starting now waits in its migration.
         await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK)
         apis = await _connected_apis(conn)

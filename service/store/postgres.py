@@ -330,6 +330,7 @@ class PostgresStore:
                 await migrate(conn)
                 await self._check_clock(conn)
                 await self._insist_on_durable_commits(conn)
+                await self._stay_connected_while_idle(conn)
             finally:
                 await conn.close()
             self._pool = await asyncpg.create_pool(
@@ -968,6 +969,30 @@ class PostgresStore:
             log.info(
                 "the database's synchronous_commit is off: toko's own sessions use on,"
                 " so that every 201 survives a database crash"
+            )
+
+    async def _stay_connected_while_idle(self, conn: asyncpg.Connection) -> None:
+        """Keep the database's idle_session_timeout off toko's own sessions.
+
+        Managed servers often set one (PostgreSQL 14+, per role or database).
+        toko's connections are idle by design: the LISTEN connection waits for
+        NOTIFYs and probes only every 30 s, pooled ones wait for requests.
+        Under such a timeout the server closed the LISTEN connection every few
+        seconds: a warning each time, and the jobs other processes enqueued
+        while it reconnected waited for the sweep instead of starting at once.
+        The pool is bounded (see the README), so nothing piles up.
+        """
+        # NULL before PostgreSQL 14, which has no such setting (and would
+        # refuse it as a connection parameter).
+        setting = await conn.fetchval(
+            "SELECT current_setting('idle_session_timeout', true)", timeout=COMMAND_TIMEOUT
+        )
+        if setting not in (None, "0"):
+            self._session_settings["idle_session_timeout"] = "0"
+            log.info(
+                "the database's idle_session_timeout is %s: toko's own sessions use 0 (none),"
+                " since its LISTEN and pooled connections wait idle by design",
+                setting,
             )
 
     async def _check_clock(self, conn: asyncpg.Connection) -> None:
