@@ -120,7 +120,17 @@ class SchemaTooNew(RuntimeError):
 async def migrate(conn: asyncpg.Connection) -> int:
     """Bring the schema up to date; return the version it was at before."""
     async with conn.transaction():
+        # Wait for another instance's upgrade, or a restore, however long it
+        # takes (systemd's start timeout bounds it): a lock_timeout or
+        # statement_timeout of the role or database otherwise made toko-api
+        # exit at start. Only this wait: the upgrade's own statements keep
+        # the database's timeouts, which stop DDL queueing behind long
+        # transactions and holding up every host.
+        await conn.execute("SET LOCAL lock_timeout = 0; SET LOCAL statement_timeout = 0")
         await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
+        await conn.execute(
+            "SET LOCAL lock_timeout TO DEFAULT; SET LOCAL statement_timeout TO DEFAULT"
+        )
         await conn.execute(SCHEMA_TABLE)
         before = await conn.fetchval("SELECT version FROM toko_schema")
         if before is None:

@@ -13,7 +13,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
+import pytest
 
+from service.store.pg_migrations import MIGRATION_LOCK
 from service.store.postgres import PostgresStore
 from tests.conftest import ServiceFactory
 from tests.postgres.conftest import pg_env, run_tool
@@ -93,6 +95,38 @@ async def test_idle_session_timeout_leaves_toko_api_listening(
     assert not [r for r in api.logs.snapshot() if r.get("level") in ("WARNING", "ERROR")][1:], (
         api.output_tail()
     )  # the one warning is about the API token
+    api.terminate()
+    assert await api.async_wait_exit(timeout=30) == 0
+
+
+@pytest.mark.parametrize("setting", ["lock_timeout", "statement_timeout"])
+async def test_start_up_waits_for_the_migration_lock_past_the_databases_timeout(
+    service_factory: ServiceFactory, pg_cluster: PostgresCluster, pg_url: str, setting: str
+) -> None:
+    # toko-backup --restore holds this lock for the whole restore, and an
+    # instance upgrading the schema for its upgrade: toko-api exited at
+    # start ("canceling statement due to lock timeout") instead of waiting.
+    await set_for_database(pg_cluster, pg_url, **{setting: "200ms"})
+    holder = await pg_cluster.connect(pg_url.rsplit("/", 1)[1])
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK)
+        api = service_factory(pg_env(pg_cluster, pg_url)).start()
+
+        async def waited_a_second() -> bool:
+            assert api.returncode is None, api.output_tail()
+            return bool(
+                await holder.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'toko-api'"
+                    " AND wait_event_type = 'Lock' AND now() - query_start > interval '1 s'"
+                )
+            )
+
+        await until(waited_a_second, 15, "toko-api waiting for the migration lock for 1 s")
+        await holder.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK)
+    finally:
+        await holder.close()
+    await api.async_wait_ready(timeout=30)
+    api.wait_log("database schema created at version 5")
     api.terminate()
     assert await api.async_wait_exit(timeout=30) == 0
 
