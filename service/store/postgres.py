@@ -119,6 +119,21 @@ def _rows(status: str) -> int:
     return int(status.rpartition(" ")[2] or 0)
 
 
+# toko sets neither: a role's or database's own setting cut the call short.
+_SERVER_TIMEOUTS = {"statement timeout": "statement_timeout", "lock timeout": "lock_timeout"}
+
+
+def _timeout_note(exc: BaseException) -> str:
+    """Where the server cut a call short for a setting toko never sets, what
+    to add to its message ("canceling statement due to statement timeout")
+    so that it names the setting."""
+    if isinstance(exc, asyncpg.PostgresError):
+        for words, setting in _SERVER_TIMEOUTS.items():
+            if words in str(exc):
+                return f" (the {setting} set for this role or database is too short for it)"
+    return ""
+
+
 # libpq and asyncpg also take the password as a query parameter (?password=).
 _QUERY_PASSWORD = re.compile(r"(?<![^&])password=([^&]*)")
 
@@ -344,7 +359,7 @@ class PostgresStore:
             raise StoreError(str(exc)) from exc
         except (*_DB_ERRORS, ValueError) as exc:
             # One line: asyncpg puts its HINT on a line of its own.
-            why = " ".join(str(exc).split())
+            why = " ".join(str(exc).split()) + _timeout_note(exc)
             # A server asking for a password we do not have answers with
             # InvalidPasswordError too (asyncpg then sends an empty one).
             refused = isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError)
@@ -460,6 +475,12 @@ class PostgresStore:
                 raise StoreError(
                     f"database call failed: no answer within {COMMAND_TIMEOUT:g} s"
                 ) from exc
+            except asyncpg.QueryCanceledError as exc:
+                # asyncpg files it under operator intervention, with the lost
+                # connections, but the connection is fine: the server cancelled
+                # the statement (its statement_timeout, an admin's
+                # pg_cancel_backend), and trying again would be cancelled again.
+                raise StoreError(f"database call failed: {exc}{_timeout_note(exc)}") from exc
             except _CONNECTION_ERRORS as exc:
                 if attempt == attempts or self._pool is None:
                     raise StoreError(f"database call failed: {exc}") from exc
@@ -467,7 +488,7 @@ class PostgresStore:
                     log, logging.WARNING, "database connection lost, trying again: %s", exc
                 )
             except asyncpg.PostgresError as exc:
-                raise StoreError(f"database call failed: {exc}") from exc
+                raise StoreError(f"database call failed: {exc}{_timeout_note(exc)}") from exc
         raise AssertionError("unreachable")
 
     async def _fetch(

@@ -8,6 +8,7 @@ client sees: connections kept or lost, log lines, exit codes and messages.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from service.store.base import StoreError
 from service.store.pg_migrations import MIGRATION_LOCK
 from service.store.postgres import PostgresStore
 from tests.conftest import ServiceFactory
@@ -129,6 +131,42 @@ async def test_start_up_waits_for_the_migration_lock_past_the_databases_timeout(
     api.wait_log("database schema created at version 5")
     api.terminate()
     assert await api.async_wait_exit(timeout=30) == 0
+
+
+@pytest.mark.parametrize("setting", ["lock_timeout", "statement_timeout"])
+async def test_a_call_cut_short_by_the_server_names_the_setting(
+    pg_cluster: PostgresCluster,
+    pg_url: str,
+    setting: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The server's message ("canceling statement due to statement timeout")
+    # does not name the setting; and asyncpg files the cancel with the lost
+    # connections, so each read was made 9 times over, each time logging
+    # "database connection lost, trying again".
+    await set_for_database(pg_cluster, pg_url, **{setting: "300ms"})
+    store = PostgresStore(pg_url, password=pg_cluster.password)
+    await store.open()
+    blocker = await pg_cluster.connect(pg_url.rsplit("/", 1)[1])
+    try:
+        async with blocker.transaction():
+            await blocker.execute("SET LOCAL lock_timeout = 0; SET LOCAL statement_timeout = 0")
+            await blocker.execute("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE")
+            with caplog.at_level(logging.WARNING, logger="toko.store"):
+                started = time.monotonic()
+                with pytest.raises(StoreError) as failed:
+                    await store.counts()
+                took = time.monotonic() - started
+    finally:
+        await blocker.close()
+        await store.close()
+    words = setting.replace("_", " ")
+    assert str(failed.value) == (
+        f"database call failed: canceling statement due to {words}"
+        f" (the {setting} set for this role or database is too short for it)"
+    )
+    assert not caplog.records
+    assert took < 3 * 0.3
 
 
 async def test_restore_keeps_the_migration_lock_past_an_idle_session_timeout(
