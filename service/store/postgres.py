@@ -68,6 +68,8 @@ MAX_BATCH = 512
 LISTEN_PROBE_SECONDS = 30.0
 LISTEN_RETRY_SECONDS = 1.0
 COMMAND_TIMEOUT = 30.0
+# Jobs one `toko-queue retry` changes per statement (see retry_now).
+RETRY_CHUNK = 1000
 # How long close() waits for the database before dropping the connections.
 CLOSE_SECONDS = 5.0
 # Leases and retry times are this host's wall clock, compared on every host:
@@ -1113,24 +1115,41 @@ class PostgresStore:
         )
         return _details_from_row(row) if row else None
 
-    async def retry_now(self, job_ids: Sequence[int] | None, which: Retryable) -> list[int]:
+    async def retry_now(
+        self, job_ids: Sequence[int] | None, which: Retryable, chunk: int = RETRY_CHUNK
+    ) -> list[int]:
+        where = RETRYABLE_WHERE[which]
+        if job_ids is None:
+            rows = await self._fetch(f"SELECT id FROM jobs WHERE {where} ORDER BY id", retry=True)
+            job_ids = [int(row[0]) for row in rows]
+        # Chunks, each its own statement: one update of a whole backlog
+        # (300,000 failed jobs) outlasted a statement_timeout of 500 ms set for
+        # the role or database, and `retry --all-failed` could never succeed.
+        ids = list(job_ids)
+        retried: list[int] = []
+        for start in range(0, len(ids), chunk):
+            retried += await self._retry_chunk(ids[start : start + chunk], where)
+        return sorted(retried)
+
+    async def _retry_chunk(self, job_ids: list[int], where: str) -> list[int]:
         # attempts = 0: an admin's retry gets the full attempt budget again;
-        # last_error stays as the history of why it had failed. The jobs are
-        # due now, so every instance hears of them (NOTIFY, same transaction).
+        # last_error stays as the history of why it had failed. ``where`` is
+        # checked again, so a job that changed since it was listed is left
+        # alone. The jobs are due now, so every instance hears of them
+        # (NOTIFY, same transaction).
         rows = await self._fetch(
             f"""
             WITH retried AS (
                 UPDATE jobs SET state = 'pending', attempts = 0, run_at = $2,
                        lease_until = NULL, updated_at = $2
-                 WHERE {RETRYABLE_WHERE[which]}
-                   AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+                 WHERE {where} AND id = ANY($1::bigint[])
                 RETURNING id
             ), told AS (
                 SELECT pg_notify('{JOBS_CHANNEL}', '') WHERE EXISTS (SELECT 1 FROM retried)
             )
-            SELECT id FROM retried, (SELECT count(*) FROM told) AS t ORDER BY id
+            SELECT id FROM retried, (SELECT count(*) FROM told) AS t
             """,
-            None if job_ids is None else list(job_ids),
+            job_ids,
             self._clock(),
             write=True,
         )

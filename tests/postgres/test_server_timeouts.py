@@ -133,6 +133,36 @@ async def test_start_up_waits_for_the_migration_lock_past_the_databases_timeout(
     assert await api.async_wait_exit(timeout=30) == 0
 
 
+async def test_retry_all_failed_outlasts_a_statement_timeout(
+    pg_cluster: PostgresCluster, pg_url: str, tmp_path: Path
+) -> None:
+    # One update of the whole backlog took longer than the database allows
+    # any statement: `toko-queue retry --all-failed` failed (exit 1) however
+    # often it was run. In chunks, each statement takes milliseconds.
+    store = PostgresStore(pg_url, password=pg_cluster.password)
+    await store.open()  # the schema
+    await store.close()
+    backlog = 200_000
+    await fetch(
+        pg_cluster,
+        pg_url,
+        "INSERT INTO jobs (kind, payload, state, attempts, max_attempts, run_at, created_at,"
+        " updated_at, last_error) SELECT 'product_email', '{}', 'failed', 5, 5, 0, 0, 0, 'x'"
+        " FROM generate_series(1, $1)",
+        backlog,
+    )
+    await fetch(pg_cluster, pg_url, "ANALYZE jobs")
+    await set_for_database(pg_cluster, pg_url, statement_timeout="250ms")
+    result = run_tool(
+        "toko-queue", tmp_path, pg_env(pg_cluster, pg_url), "retry", "--all-failed", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert await fetch(pg_cluster, pg_url, "SELECT state, count(*) FROM jobs GROUP BY 1") == [
+        ("pending", backlog)
+    ]
+
+
 @pytest.mark.parametrize("setting", ["lock_timeout", "statement_timeout"])
 async def test_a_call_cut_short_by_the_server_names_the_setting(
     pg_cluster: PostgresCluster,
