@@ -141,6 +141,9 @@ def _run_job(
         identifier=name,
         flush_timeout=LOG_FLUSH_SECONDS,
     )
+    unknown = settings.unknown_variables_line()
+    if unknown:
+        logging.getLogger(f"toko.{name}").warning("%s", unknown)
     try:
         owner = None if settings.is_postgres else anothers_database(Path(settings.database))
         if owner:

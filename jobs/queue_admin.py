@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     except (EnvFileError, ConfigError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
+    unknown = settings.unknown_variables_line()
+    if unknown:
+        print(f"{PROG}: warning: {unknown}", file=sys.stderr)
     if not settings.is_postgres:
         problem = _sqlite_file_problem(Path(settings.database))
         if problem:

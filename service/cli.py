@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"toko-api: {exc}", file=sys.stderr)
         return 2
+    unknown = settings.unknown_variables_line()
     if args.check_config:
+        if unknown:
+            print(f"toko-api: warning: {unknown}", file=sys.stderr)
         print("toko-api: configuration is valid")
         return 0
     stop_signals = StopSignals()
@@ -98,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging(settings.log_level, journal=settings.journal, identifier="toko-api")
     log = logging.getLogger("toko")
+    if unknown:
+        log.warning("%s", unknown, extra={"UNKNOWN_SETTINGS": " ".join(settings.unknown_variables)})
     # The lock guards a SQLite file; a shared database has many instances by design.
     lock = InstanceLock(settings.database) if not settings.is_postgres else None
     try:

@@ -6,6 +6,7 @@ with one line that names the variable.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import math
 import os
@@ -25,6 +26,35 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A setting is missing or malformed; the message names the variable."""
+
+
+# Every TOKO_ variable a toko program reads. Any other one is almost always a
+# typo (TOKO_WORKER=8, TOKO_SMTP_ULR=...) that would be ignored without a word,
+# the default quietly used instead.
+KNOWN_VARIABLES = frozenset(
+    {
+        "TOKO_LISTEN",
+        "TOKO_DATABASE",
+        "TOKO_DATABASE_PASSWORD_FILE",
+        "TOKO_SMTP_URL",
+        "TOKO_SMTP_PASSWORD_FILE",
+        "TOKO_ADMIN_EMAIL",
+        "TOKO_MAIL_FROM",
+        "TOKO_WORKERS",
+        "TOKO_JOB_MAX_ATTEMPTS",
+        "TOKO_JOB_BACKOFF",
+        "TOKO_JOB_TIMEOUT",
+        "TOKO_DRAIN_TIMEOUT",
+        "TOKO_CLIENT_TIMEOUT",
+        "TOKO_LOG_LEVEL",
+        "TOKO_BACKUP_DIR",
+        "TOKO_BACKUP_KEEP",
+        "TOKO_API_TOKEN_FILE",
+        "TOKO_JOB_RETENTION",
+        "TOKO_FAULT_INJECTION",
+        "TOKO_FAULT_BLOCK_SECONDS",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -98,6 +128,8 @@ class Settings:
     journal: bool = False
     fault_injection: bool = False
     fault_block_seconds: float = 5.0
+    # TOKO_ variables set but read by nothing: see unknown_variables_line().
+    unknown_variables: tuple[str, ...] = ()
 
     @property
     def is_postgres(self) -> bool:
@@ -140,7 +172,37 @@ class Settings:
             journal=output_is_journal(environ.get("JOURNAL_STREAM")),
             fault_injection=env.get("TOKO_FAULT_INJECTION", _parse_bool, False),
             fault_block_seconds=env.get("TOKO_FAULT_BLOCK_SECONDS", _seconds(0.0, 600.0), 5.0),
+            unknown_variables=tuple(
+                sorted(n for n in environ if n.startswith("TOKO_") and n not in KNOWN_VARIABLES)
+            ),
         )
+
+    def unknown_variables_line(self) -> str | None:
+        """The warning for TOKO_ variables nothing reads, with the likely meant ones.
+
+        Names only: a value may be a secret someone put in the wrong place.
+        """
+        if not self.unknown_variables:
+            return None
+        named = []
+        for name in self.unknown_variables:
+            meant = _closest_known(name)
+            named.append(f"{name!r} (meant {meant}?)" if meant else repr(name))
+        return (
+            f"unknown settings ignored: {', '.join(named)} "
+            "(README: Configuration lists the known ones)"
+        )
+
+
+def _closest_known(name: str) -> str | None:
+    """The known variable ``name`` is most likely a typo of, if one is close.
+
+    Compared without the TOKO_ prefix they all share, which alone made
+    TOKO_SOMETHING_ELSE "close" to TOKO_ADMIN_EMAIL.
+    """
+    known = {known[5:]: known for known in KNOWN_VARIABLES}
+    close = difflib.get_close_matches(name[5:], known, n=1, cutoff=0.75)
+    return known[close[0]] if close else None
 
 
 class _Env:

@@ -78,6 +78,18 @@ async def test_ready_only_when_port_accepts(service_factory: ServiceFactory) -> 
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z", records[0]["ts"]), records[0]
 
 
+async def test_an_unknown_setting_is_one_warning_at_start(service_factory: ServiceFactory) -> None:
+    # TOKO_WORKER=8 was ignored without a word: three workers, and no hint why.
+    svc = service_factory({"TOKO_WORKER": "8", "TOKO_SMTP_ULR": "smtp://127.0.0.1"}).start()
+    await svc.async_wait_ready(timeout=20)
+    (warning,) = svc.find_logs(UNKNOWN_SETTINGS="TOKO_SMTP_ULR TOKO_WORKER")
+    assert warning["level"] == "WARNING", warning
+    assert warning["message"] == (
+        "unknown settings ignored: 'TOKO_SMTP_ULR' (meant TOKO_SMTP_URL?), "
+        "'TOKO_WORKER' (meant TOKO_WORKERS?) (README: Configuration lists the known ones)"
+    )
+
+
 async def test_watchdog_cadence(service_factory: ServiceFactory) -> None:
     usec = 400_000  # pings expected every 200 ms
     svc = service_factory(watchdog_usec=usec).start()

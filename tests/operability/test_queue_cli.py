@@ -399,3 +399,17 @@ async def test_retrying_many_jobs_prints_a_few_ids_and_a_count(tmp_path: Path) -
         f"retried {many} failed job(s): {shown} and 5 more (--json lists every id)\n"
     ), retried
     assert db.job_states(database) == {"pending": many}
+
+
+async def test_a_typo_in_the_env_file_is_warned_about_on_stderr(tmp_path: Path) -> None:
+    database = tmp_path / "toko.db"
+    await create_database(database)
+    settings = tmp_path / "toko.env"
+    settings.write_text(f"TOKO_DATABASE={database}\nTOKO_WORKER=8\n")
+    result = await run("toko-queue", "--env-file", str(settings), "stats", "--json")
+    assert result.returncode == 0, result
+    assert result.stderr.splitlines() == [
+        "toko-queue: warning: unknown settings ignored: 'TOKO_WORKER' (meant TOKO_WORKERS?) "
+        "(README: Configuration lists the known ones)"
+    ]
+    assert result.json()["by_kind"] == {}

@@ -92,3 +92,17 @@ async def test_recap_catches_up_the_days_since_the_last_one_recorded(tmp_path: P
     result = await run("toko-recap", env=env)
     said = [(r["message"], r.get("PERIOD")) for r in result.log_records() if "PERIOD" in r]
     assert said == [("recap already recorded for this period; nothing to do", days[-1])], said
+
+
+async def test_an_unknown_setting_is_warned_about(tmp_path: Path) -> None:
+    # toko.env is read by the timer jobs too: a typo there is named in their journal.
+    database = tmp_path / "toko.db"
+    await new_database(database)
+    env = {"TOKO_DATABASE": str(database), "TOKO_JOB_RETENTON": "30d"}
+    result = await run("toko-recap", env=env)
+    assert result.returncode == 0, result
+    warnings = [r for r in result.log_records() if r["level"] == "WARNING"]
+    assert [r["message"] for r in warnings] == [
+        "unknown settings ignored: 'TOKO_JOB_RETENTON' (meant TOKO_JOB_RETENTION?) "
+        "(README: Configuration lists the known ones)"
+    ]

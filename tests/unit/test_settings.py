@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from service import cli
-from service.settings import ConfigError, Settings, check_for_api
+from service.settings import KNOWN_VARIABLES, ConfigError, Settings, check_for_api
 
 
 def test_defaults_need_no_configuration() -> None:
@@ -364,3 +365,50 @@ def test_journal_only_when_an_output_is_the_stream_journal_stream_names() -> Non
     assert not Settings.from_env({}).journal
     st = os.fstat(2)
     assert Settings.from_env({"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}).journal
+
+
+def test_unknown_toko_variables_are_named_with_the_one_meant() -> None:
+    # Ignored without a word before: TOKO_WORKER=8 ran 3 workers, and a
+    # misspelt TOKO_SMTP_URL wrote every email to the log instead of sending it.
+    s = Settings.from_env(
+        {
+            "TOKO_WORKER": "8",
+            "TOKO_SMTP_ULR": "smtp://secret-host",
+            "TOKO_WORKERS": "2",
+            "TOKO_SOMETHING_ELSE": "1",
+            "HOME": "/root",
+        }
+    )
+    assert s.unknown_variables == ("TOKO_SMTP_ULR", "TOKO_SOMETHING_ELSE", "TOKO_WORKER")
+    assert s.unknown_variables_line() == (
+        "unknown settings ignored: 'TOKO_SMTP_ULR' (meant TOKO_SMTP_URL?), "
+        "'TOKO_SOMETHING_ELSE', 'TOKO_WORKER' (meant TOKO_WORKERS?) "
+        "(README: Configuration lists the known ones)"
+    )
+    assert (
+        Settings.from_env({"TOKO_WORKERS": "2", "HOME": "/root"}).unknown_variables_line() is None
+    )
+
+
+def test_every_variable_toko_reads_is_a_known_one() -> None:
+    # A new setting missing from KNOWN_VARIABLES would be warned about as a typo.
+    root = Path(__file__).resolve().parents[2]
+    sources = [*root.glob("service/**/*.py"), *root.glob("jobs/**/*.py")]
+    read = {
+        name for path in sources for name in re.findall(r"\"(TOKO_[A-Z0-9_]+)\"", path.read_text())
+    }
+    assert read and read <= KNOWN_VARIABLES, sorted(read - KNOWN_VARIABLES)
+
+
+def test_check_config_warns_of_unknown_settings_and_still_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TOKO_WORKER", "8")
+    assert cli.main(["--check-config"]) == 0
+    out = capsys.readouterr()
+    assert out.err == (
+        "toko-api: warning: unknown settings ignored: 'TOKO_WORKER' (meant TOKO_WORKERS?) "
+        "(README: Configuration lists the known ones)\n"
+    )
+    assert out.out == "toko-api: configuration is valid\n"
