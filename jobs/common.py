@@ -14,7 +14,7 @@ from types import FrameType
 
 from service import __version__
 from service.logs import setup_logging, stop_waiting_for_journald
-from service.settings import ConfigError, Settings, output_is_journal
+from service.settings import ConfigError, Settings, check_database_folder, output_is_journal
 
 # How long a job's exit waits for a journald that does not read (stopped,
 # restarting) to take its last lines. toko-api waits 2 s, inside its stop
@@ -121,6 +121,7 @@ def _run_job(
     args = parser.parse_args()
     try:
         settings = Settings.from_env(os.environ)
+        check_database_folder(settings)
     except ConfigError as exc:
         # Logged with the default settings: under systemd the stderr line alone
         # is an info-priority entry that `journalctl -p err` never shows.

@@ -11,7 +11,7 @@ from types import FrameType
 
 from service import __version__
 from service.logs import setup_logging
-from service.settings import ConfigError, Settings, check_for_api
+from service.settings import ConfigError, Settings, check_database_folder, check_for_api
 from service.store.base import StoreError
 from service.store.lock import InstanceLock, InstanceLocked
 
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings.from_env(os.environ)
         check_for_api(settings)
+        check_database_folder(settings)
     except ConfigError as exc:
         print(f"toko-api: {exc}", file=sys.stderr)
         return 2

@@ -466,6 +466,34 @@ def check_for_api(settings: Settings) -> None:
         )
 
 
+def check_database_folder(settings: Settings) -> None:
+    """Fail, naming TOKO_DATABASE, where the SQLite file's folder is read-only.
+
+    The units let toko write in /var/lib/toko only (ProtectSystem=strict). A
+    database moved elsewhere without a ReadWritePaths= drop-in failed with
+    "[Errno 30] Read-only file system" on its lock file, exit 1, which
+    Restart=on-failure retried until systemd gave up; this is exit 2 instead,
+    with what to do. SQLite writes its -wal, -shm and lock file beside the
+    database, so the folder must be writable, not only the file.
+    """
+    if settings.is_postgres:
+        return
+    folder = Path(os.path.abspath(settings.database)).parent
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # toko-api creates the rest
+    try:
+        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+    except OSError:
+        return  # not ours to judge here: opening the database says what is wrong
+    if read_only:
+        raise ConfigError(
+            f"TOKO_DATABASE names a file in {folder}, which is read-only here: toko's units "
+            f"may write only in /var/lib/toko unless a drop-in adds ReadWritePaths={folder} "
+            "(README: A database outside /var/lib/toko)"
+        )
+
+
 # One label of a host name (RFC 1123), plus "_", which resolvers and
 # /etc/hosts take and some internal names have.
 _HOST_LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)", re.IGNORECASE)

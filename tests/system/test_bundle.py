@@ -252,6 +252,66 @@ def test_backups_outside_the_state_directory_with_the_readmes_drop_in(toko: Depl
             toko.machine.run(["systemctl", "daemon-reload"])
 
 
+def test_a_database_outside_the_state_directory_fails_once_then_moves_the_readmes_way(
+    toko: Deployment,
+) -> None:
+    # TOKO_DATABASE=/srv/toko/toko.db without the drop-in: toko-api said
+    # "[Errno 30] Read-only file system: '/srv/toko/toko.db.lock'" and exited 1,
+    # restarted five times until systemd gave up; the timer jobs said "unable
+    # to open database file".
+    product = toko.post_product("Pindah rumah")
+    drop_ins = [
+        f"/etc/systemd/system/{unit}.service.d/database.conf"
+        for unit in ("toko-api", "toko-recap", "toko-backup", "toko-alert@")
+    ]
+    line = (
+        "TOKO_DATABASE names a file in /srv/toko, which is read-only here: toko's units "
+        "may write only in /var/lib/toko unless a drop-in adds ReadWritePaths=/srv/toko "
+        "(README: A database outside /var/lib/toko)"
+    )
+    original = toko.machine.run(["cat", ENV_FILE]).stdout
+    try:
+        toko.machine.run(["install", "-d", "-o", "toko", "-g", "toko", "-m", "0700", "/srv/toko"])
+        restarts = toko.n_restarts()
+        since = toko.now()
+        with toko.settings_added("TOKO_DATABASE=/srv/toko/toko.db"):
+            proc = toko.machine.run(["systemctl", "restart", "toko-api.service"], check=False)
+            assert proc.returncode != 0
+            assert toko.show("toko-api.service", "ExecMainStatus") == "2"
+            assert toko.n_restarts() == restarts
+            assert f"toko-api: {line}" in toko.messages("toko-api", since)
+            recap = toko.machine.run(["systemctl", "start", "toko-recap.service"], check=False)
+            assert recap.returncode != 0
+            assert f"toko-recap: {line}" in toko.messages("toko-recap", since)
+        # The README's way: toko-api stopped, the file moved, the folder given
+        # to every unit; the shop goes on where it was.
+        toko.machine.run(["systemctl", "reset-failed", "toko-api", "toko-recap"], check=False)
+        move = readme_block("ReadWritePaths=/srv/toko")
+        toko.machine.run(["bash", "-c", NO_SUDO + move], timeout=300)
+        toko.wait_serving()
+        response = toko.request("GET", f"/produk/{product['id']}")
+        assert response.status == 200, response
+        moved = toko.post_product("Di rumah baru")
+        rows = toko.sql_at(
+            "/srv/toko/toko.db", "SELECT nama FROM products WHERE id = ?", (moved["id"],)
+        )
+        assert rows == [("Di rumah baru",)]
+        for unit in ("toko-recap.service", "toko-backup.service", "toko-alert@test.service"):
+            since = toko.now()
+            started = toko.machine.run(["systemctl", "start", unit], check=False, timeout=300)
+            assert started.returncode == 0, toko.messages(unit, since)
+        assert toko.machine.run(["ls", "/srv/toko/backups"]).stdout.strip()
+    finally:
+        toko.machine.run(["systemctl", "stop", "toko-api.socket", "toko-api.service"])
+        toko.machine.run(["sh", "-c", f"cat > {ENV_FILE}"], input=original)
+        toko.machine.sh(
+            "if [ -e /srv/toko/toko.db ]; then mv /srv/toko/toko.db /var/lib/toko/; fi; "
+            f"rm -rf /srv/toko {' '.join(drop_ins)}; systemctl daemon-reload; "
+            "systemctl reset-failed toko-api toko-recap toko-alert@test.service || true"
+        )
+        toko.machine.run(["systemctl", "start", "toko-api.socket", "toko-api.service"])
+
+
 def as_service(command: str) -> str:
     """``command`` run by hand the README's way: through its ``toko`` helper
     (systemd-run as toko, with the service's settings), as an admin pastes it."""
