@@ -30,6 +30,7 @@ from typing import Any
 from jobs import queue_tables
 from jobs.common import anothers_database
 from jobs.env_file import DEFAULT_ENV_FILE, EnvFileError, cli_environment
+from jobs.stale_settings import stale_settings_warning
 from service import __version__
 from service.durations import parse_duration
 from service.models import JOB_STATES, iso_utc
@@ -277,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = settings.unknown_variables_line()
     if unknown:
         print(f"{PROG}: warning: {unknown}", file=sys.stderr)
+    stale = None if args.env_file or args.no_env_file else stale_settings_warning(DEFAULT_ENV_FILE)
+    if stale:
+        print(f"{PROG}: warning: {stale}", file=sys.stderr)
     if not settings.is_postgres:
         problem = _sqlite_file_problem(Path(settings.database))
         if problem:

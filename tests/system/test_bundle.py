@@ -312,6 +312,32 @@ def test_a_database_outside_the_state_directory_fails_once_then_moves_the_readme
         toko.machine.run(["systemctl", "start", "toko-api.socket", "toko-api.service"])
 
 
+def test_toko_queue_says_when_toko_env_changed_after_toko_api_started(toko: Deployment) -> None:
+    # toko-queue reads toko.env as it is now, toko-api as it was at its start:
+    # after an edit without a restart the two worked on different settings
+    # (another TOKO_DATABASE, say) without a word.
+    queue = ["runuser", "-u", "toko", "--", "/opt/toko/venv/bin/toko-queue", "stats"]
+    toko.machine.run(["systemctl", "restart", "toko-api.service"])
+    toko.wait_serving()
+    assert toko.machine.run(queue).stderr == ""
+    with toko.settings_added("TOKO_WORKERS=5", restart=True):
+        edited = toko.machine.run(queue)
+        warning = (
+            "toko-queue: warning: /etc/toko/toko.env changed after toko-api started "
+            r"\(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\): toko-api runs with the settings "
+            "from before, this command with the new ones "
+            r"\(sudo systemctl restart toko-api\)"
+        )
+        assert re.fullmatch(warning + "\n", edited.stderr), edited.stderr
+        assert "pending" in edited.stdout
+        # The README's helper gets the file from systemd-run: the same warning.
+        helper = toko.machine.run(["bash", "-c", as_service("toko-queue stats")])
+        assert re.fullmatch(warning + "\n", helper.stderr), helper.stderr
+        toko.machine.run(["systemctl", "restart", "toko-api.service"])
+        toko.wait_serving()
+        assert toko.machine.run(queue).stderr == ""
+
+
 def as_service(command: str) -> str:
     """``command`` run by hand the README's way: through its ``toko`` helper
     (systemd-run as toko, with the service's settings), as an admin pastes it."""
