@@ -10,6 +10,7 @@ import difflib
 import ipaddress
 import math
 import os
+import pwd
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -467,7 +468,8 @@ def check_for_api(settings: Settings) -> None:
 
 
 def check_database_folder(settings: Settings) -> None:
-    """Fail, naming TOKO_DATABASE, where the SQLite file's folder is read-only.
+    """Fail, naming TOKO_DATABASE, where the SQLite file or its folder is read-only
+    or not the user's to write.
 
     The units let toko write in /var/lib/toko only (ProtectSystem=strict). A
     database moved elsewhere without a ReadWritePaths= drop-in failed with
@@ -480,9 +482,9 @@ def check_database_folder(settings: Settings) -> None:
         return
     folder = Path(os.path.abspath(settings.database)).parent
     existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent  # toko-api creates the rest
     try:
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent  # toko-api creates the rest
         read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
     except OSError:
         return  # not ours to judge here: opening the database says what is wrong
@@ -492,6 +494,29 @@ def check_database_folder(settings: Settings) -> None:
             f"may write only in /var/lib/toko unless a drop-in adds ReadWritePaths={folder} "
             "(README: A database outside /var/lib/toko)"
         )
+    # A folder made, or a database copied in, by root (mkdir, cp): "unable to
+    # open database file", exit 1, retried until systemd gave up.
+    for path, needed in (
+        (existing, os.W_OK | os.X_OK),
+        (Path(settings.database), os.R_OK | os.W_OK),
+    ):
+        try:
+            owner = path.stat().st_uid
+        except OSError:
+            continue  # not there yet, or not ours to see: opening it says so
+        if owner == 0 and not os.access(path, needed):
+            me = _user(os.geteuid())
+            raise ConfigError(
+                f"TOKO_DATABASE: {path} belongs to root, and {me} cannot write to it: "
+                f"chown {me}: {path}"
+            )
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"#{uid}"
 
 
 # One label of a host name (RFC 1123), plus "_", which resolvers and

@@ -271,7 +271,21 @@ def test_a_database_outside_the_state_directory_fails_once_then_moves_the_readme
     )
     original = toko.machine.run(["cat", ENV_FILE]).stdout
     try:
-        toko.machine.run(["install", "-d", "-o", "toko", "-g", "toko", "-m", "0700", "/srv/toko"])
+        # First made by a plain mkdir, root's: named as such.
+        toko.machine.run(["mkdir", "/srv/toko"])
+        toko.machine.write(drop_ins[0], "[Service]\nReadWritePaths=/srv/toko\n")
+        toko.machine.run(["systemctl", "daemon-reload"])
+        since = toko.now()
+        with toko.settings_added("TOKO_DATABASE=/srv/toko/toko.db"):
+            proc = toko.machine.run(["systemctl", "restart", "toko-api.service"], check=False)
+            assert proc.returncode != 0
+            assert toko.show("toko-api.service", "ExecMainStatus") == "2"
+            owned = "TOKO_DATABASE: /srv/toko belongs to root, and toko cannot write to it"
+            assert f"toko-api: {owned}: chown toko: /srv/toko" in toko.messages("toko-api", since)
+        toko.machine.run(["rm", drop_ins[0]])
+        toko.machine.run(["systemctl", "daemon-reload"])
+        toko.machine.run(["chown", "toko:toko", "/srv/toko"])
+        toko.machine.run(["systemctl", "reset-failed", "toko-api"], check=False)
         restarts = toko.n_restarts()
         since = toko.now()
         with toko.settings_added("TOKO_DATABASE=/srv/toko/toko.db"):
@@ -309,6 +323,34 @@ def test_a_database_outside_the_state_directory_fails_once_then_moves_the_readme
             f"rm -rf /srv/toko {' '.join(drop_ins)}; systemctl daemon-reload; "
             "systemctl reset-failed toko-api toko-recap toko-alert@test.service || true"
         )
+        toko.machine.run(["systemctl", "start", "toko-api.socket", "toko-api.service"])
+
+
+def test_a_database_copied_in_by_root_fails_once_with_what_to_do(toko: Deployment) -> None:
+    # `cp backup.db /var/lib/toko/toko.db` as root, or a folder made with a
+    # plain mkdir: toko-api said "unable to open database file", exited 1 and
+    # was restarted five times until systemd gave up.
+    database = "/var/lib/toko/toko.db"
+    toko.machine.run(["systemctl", "stop", "toko-api.socket", "toko-api.service"])
+    toko.machine.sh(f"cp {database} /root/copy.db && rm {database} && mv /root/copy.db {database}")
+    try:
+        since = toko.now()
+        restarts = toko.n_restarts()
+        proc = toko.machine.run(["systemctl", "start", "toko-api.service"], check=False)
+        assert proc.returncode != 0
+        assert toko.show("toko-api.service", "ExecMainStatus") == "2"
+        assert toko.n_restarts() == restarts
+        line = (
+            f"TOKO_DATABASE: {database} belongs to root, and toko cannot write to it:"
+            f" chown toko: {database}"
+        )
+        assert f"toko-api: {line}" in toko.messages("toko-api", since)
+        backup = toko.machine.run(["systemctl", "start", "toko-backup.service"], check=False)
+        assert backup.returncode != 0
+        assert f"toko-backup: {line}" in toko.messages("toko-backup", since)
+    finally:
+        toko.machine.run(["chown", "toko:", database])
+        toko.machine.run(["systemctl", "reset-failed", "toko-api", "toko-backup"], check=False)
         toko.machine.run(["systemctl", "start", "toko-api.socket", "toko-api.service"])
 
 
