@@ -9,6 +9,7 @@ came must still get their answer.
 from __future__ import annotations
 
 import asyncio
+import logging
 import resource
 import socket
 import time
@@ -18,6 +19,8 @@ from aiohttp import web
 from service.keys import HTTP_STATE
 from service.settings import Settings
 from service.systemd import passed_listen_sockets
+
+log = logging.getLogger("toko.listener")
 
 # asyncio calls listen() again on the socket it serves: keep the socket unit's
 # Backlog=1024 rather than aiohttp's 128.
@@ -58,6 +61,14 @@ def listening_sockets(settings: Settings) -> tuple[list[socket.socket], str]:
     passed = passed_listen_sockets()
     if passed:
         names = ", ".join(str(sock.getsockname()) for sock in passed)
+        if settings.listen_given:
+            # The installed units listen through toko-api.socket: an address in
+            # toko.env would otherwise look applied, and be ignored without a word.
+            log.warning(
+                "TOKO_LISTEN is ignored: systemd passed the socket to listen on (%s);"
+                " change that with systemctl edit toko-api.socket",
+                names,
+            )
         return passed, f"{names} (socket activation)"
     host, port = settings.listen_host, settings.listen_port
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

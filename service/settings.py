@@ -131,6 +131,8 @@ class Settings:
     fault_block_seconds: float = 5.0
     # TOKO_ variables set but read by nothing: see unknown_variables_line().
     unknown_variables: tuple[str, ...] = ()
+    # Whether TOKO_LISTEN was set: socket activation then overrides it (listener).
+    listen_given: bool = False
 
     @property
     def is_postgres(self) -> bool:
@@ -176,6 +178,7 @@ class Settings:
             unknown_variables=tuple(
                 sorted(n for n in environ if n.startswith("TOKO_") and n not in KNOWN_VARIABLES)
             ),
+            listen_given="TOKO_LISTEN" in environ,
         )
 
     def unknown_variables_line(self) -> str | None:

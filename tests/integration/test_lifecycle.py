@@ -7,6 +7,7 @@ a real AF_UNIX datagram socket (tests.support.notify).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import resource
@@ -568,6 +569,42 @@ def test_a_passed_socket_that_is_no_listening_stream_stops_start_up_in_one_line(
     assert started.returncode == 2, started
     assert "not a listening stream socket" in started.stderr, started.stderr
     assert "Traceback" not in started.stderr + started.stdout, started.stderr
+
+
+async def test_toko_listen_under_socket_activation_is_said_to_be_ignored(tmp_path: Path) -> None:
+    # The installed units listen through toko-api.socket; an address an admin
+    # puts in toko.env is not used, and toko-api says so rather than look applied.
+    with socket.create_server(("127.0.0.1", 0)) as passed:
+        fd = passed.fileno()
+        port = passed.getsockname()[1]
+        script = f'exec 3<&{fd} {fd}<&-; LISTEN_FDS=1 LISTEN_PID=$$ exec "$0"'
+        proc = await asyncio.create_subprocess_exec(
+            "bash",
+            "-c",
+            script,
+            str(TOKO_API),  # dash takes single-digit fds only
+            env=clean_environment(
+                TOKO_DATABASE=str(tmp_path / "toko.db"), TOKO_LISTEN="0.0.0.0:9999"
+            ),
+            pass_fds=(fd,),
+            stdout=asyncio.subprocess.PIPE,
+        )
+    try:
+        assert proc.stdout is not None
+        records = []
+        async with asyncio.timeout(20):
+            while not records or records[-1].get("message") != "ready":
+                records.append(json.loads(await proc.stdout.readline()))
+        async with aiohttp.ClientSession() as session:
+            assert (await healthz(session, f"http://127.0.0.1:{port}"))[0] == 200
+    finally:
+        proc.terminate()
+        await proc.wait()
+    ignored = [r for r in records if r["message"].startswith("TOKO_LISTEN is ignored")]
+    assert [r["level"] for r in ignored] == ["WARNING"], records
+    assert f"('127.0.0.1', {port})" in ignored[0]["message"]
+    assert "systemctl edit toko-api.socket" in ignored[0]["message"]
+    assert records[-1]["LISTEN"] == f"('127.0.0.1', {port}) (socket activation)"
 
 
 def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
