@@ -457,7 +457,9 @@ class WorkerPool:
             elapsed = time.monotonic() - started  # the attempt, not the store write after it
             fields = {**job_fields(job), "WORKER": worker}
             left = exc.payload if isinstance(exc, PartlyDone) else None
-            outcome = await self._record_failure(job, _describe(exc), fields, left)
+            outcome = await self._record_failure(
+                job, _describe(exc), fields, left, hopeless=getattr(exc, "permanent", False)
+            )
             if self._observer is not None and outcome is not None:
                 self._observer.job_finished(job.kind, outcome, elapsed)
             return
@@ -498,12 +500,22 @@ class WorkerPool:
             self._held.difference_update(job.id for job in jobs)
 
     async def _record_failure(
-        self, job: Job, error: str, fields: dict[str, object], left: dict[str, Any] | None
+        self,
+        job: Job,
+        error: str,
+        fields: dict[str, object],
+        left: dict[str, Any] | None,
+        *,
+        hopeless: bool = False,
     ) -> JobOutcome | None:
         """Fail or reschedule the job; the outcome, or None if the store could not say.
 
         ``left``: the payload of what the attempt left undone (PartlyDone); a
-        failed job keeps it too, for an admin's retry.
+        failed job keeps it too, for an admin's retry. ``hopeless``: the error
+        says a retry will not fix it (MailError.permanent: a 5xx, a wrong
+        password). The job is retried all the same, as the admin may fix the
+        cause meanwhile, but the retry is logged as an error: `journalctl -p
+        err` shows it now, not when the last attempt fails hours later.
         """
         fields = {**fields, "ERROR": error}
         try:
@@ -523,7 +535,8 @@ class WorkerPool:
             # Stored as pending or failed, or left to its lease: ours no more.
             self._held.discard(job.id)
         self.retried += 1
-        log.warning("job failed, will retry", extra={**fields, "RETRY_IN_S": round(delay, 3)})
+        level = logging.ERROR if hopeless else logging.WARNING
+        log.log(level, "job failed, will retry", extra={**fields, "RETRY_IN_S": round(delay, 3)})
         self.notify()  # the claimer recomputes when the next job falls due
         return "retried"
 

@@ -96,3 +96,9 @@ async def test_permanent_failure_ends_failed_while_others_flow(
     assert str(dead.get("JOB_ID")) == str(failed[0]["id"])
     assert db.job_states(svc.database) == {"done": 8, "failed": 1}
     assert str(bad["id"]) in failed[0]["payload"]
+    # A refusal retries cannot fix is an error from the first attempt on
+    # (journalctl -p err), not only when the last one fails.
+    retries = svc.find_logs("job failed, will retry")
+    assert len(retries) == max_attempts - 1, retries
+    assert {r["level"] for r in retries} == {"ERROR"}
+    assert all("SMTP 550" in r["ERROR"] for r in retries), retries
