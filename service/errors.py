@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.web_request import BaseRequest
 
 from service.keys import SETTINGS
 from service.logs import Throttle
@@ -145,3 +146,49 @@ class ClientProtocolErrors(logging.Filter):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.exc_info, record.exc_text = None, None
         return True
+
+
+class JsonProtocolErrors(web.RequestHandler):
+    """A connection whose own error answers are JSON as well.
+
+    aiohttp answers a request it cannot parse (broken framing, a header over
+    8190 bytes) before any app code runs, so neither json_errors nor the
+    response hooks see it: the answer was a plain-text 400, the one error a
+    client could not read as ``{"error": ...}``.
+    """
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        # aiohttp's own: it logs (ClientProtocolErrors makes that one line) and
+        # refuses once part of an answer has been sent.
+        plain = super().handle_error(request, status, exc, message)
+        if status >= 500:
+            text = "internal error; it has been logged"
+        else:
+            # The parser's message may go on to draw a caret under the bad byte.
+            text = shortened((message or plain.reason).partition("\n")[0].rstrip(": "))
+        response = json_error(status, text)
+        response.force_close()
+        return response
+
+
+class JsonErrorsServer(web.Server):
+    def __call__(self) -> web.RequestHandler:
+        return JsonProtocolErrors(self, loop=self._loop, **self._kwargs)
+
+
+class JsonErrorsRunner(web.AppRunner):
+    """An AppRunner whose connections are JsonProtocolErrors."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # The app's server as made (its handler, request factory and settings);
+        # only the class of the connections it makes changes, and aiohttp has
+        # no setting for that.
+        server.__class__ = JsonErrorsServer
+        return server

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from service.app import create_app
-from service.errors import ClientProtocolErrors
+from service.errors import ClientProtocolErrors, JsonErrorsRunner
 from service.keys import HEALTH, POOL, STORE
 from service.listener import (
     listening_sockets,
@@ -56,7 +56,7 @@ async def serve(settings: Settings, stop_asked: Callable[[], bool] = _not_asked)
     # whole request in that time (nothing, or headers trickled a byte at a
     # time); its own default is an hour, so a few thousand idle sockets could
     # pin the process's open files.
-    runner = web.AppRunner(
+    runner = JsonErrorsRunner(
         app,
         handle_signals=False,
         access_log=None,

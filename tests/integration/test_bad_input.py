@@ -387,14 +387,16 @@ async def test_leading_zeros_do_not_count_as_digits(api: ServiceProcess) -> None
 
 
 async def test_malformed_http_is_a_400_and_a_warning_not_an_error(api: ServiceProcess) -> None:
-    # Refused by aiohttp's parser before any handler runs, so its answer is
-    # plain text; what toko decides is how loudly to log the client's mistake.
+    # Refused by aiohttp's parser before any handler runs; the answer is still
+    # JSON, and toko decides how loudly to log the client's mistake.
     raw = (
         b"POST /produk HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"
     )
     resp = await http.send_raw("127.0.0.1", api.port, raw)
     assert resp.status == 400, resp
+    assert resp.headers.get("content-type", "").startswith("application/json"), resp
+    assert resp.json() == {"error": "Invalid character in chunk size"}, resp
 
     def parser_lines(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
         return [r for r in records if r.get("logger") == "aiohttp.server"] or None
@@ -404,6 +406,27 @@ async def test_malformed_http_is_a_400_and_a_warning_not_an_error(api: ServicePr
     assert "chunk size" in line["message"], line
     assert "exception" not in line, line
     assert db.product_count(api.database) == 0
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GET /produk HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",
+        b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"NOT HTTP AT ALL\r\n\r\n",
+    ],
+    ids=["header-over-8190-bytes", "request-line-over-8190-bytes", "no-http-method"],
+)
+async def test_requests_the_http_layer_refuses_get_a_json_error(
+    api: ServiceProcess, raw: bytes
+) -> None:
+    resp = await http.send_raw("127.0.0.1", api.port, raw)
+    assert resp.status == 400, resp
+    assert resp.headers.get("content-type", "").startswith("application/json"), resp
+    error = resp.json()["error"]
+    assert isinstance(error, str) and error.strip(), resp
+    # The client's 9000 bytes are not echoed back whole.
+    assert len(error) <= MESSAGE_MAX, resp
 
 
 async def test_afterwards_nothing_was_created_and_service_is_healthy(api: ServiceProcess) -> None:
