@@ -471,8 +471,8 @@ def check_for_api(settings: Settings) -> None:
 
 
 def check_database_folder(settings: Settings) -> None:
-    """Fail, naming TOKO_DATABASE, where the SQLite file or its folder is read-only
-    or not the user's to write.
+    """Fail, naming TOKO_DATABASE, where the SQLite file is a folder, or it or its
+    folder is read-only or not the user's to write.
 
     The units let toko write in /var/lib/toko only (ProtectSystem=strict). A
     database moved elsewhere without a ReadWritePaths= drop-in failed with
@@ -483,6 +483,14 @@ def check_database_folder(settings: Settings) -> None:
     """
     if settings.is_postgres:
         return
+    if Path(settings.database).is_dir():
+        # TOKO_DATABASE=/srv/toko, meant as the folder: "cannot open database
+        # /srv/toko: unable to open database file", exit 1, retried by systemd.
+        file = Path(settings.database) / "toko.db"
+        raise ConfigError(
+            f"TOKO_DATABASE names {settings.database}, which is a folder; "
+            f"name the database file in it, like {file}"
+        )
     folder = Path(os.path.abspath(settings.database)).parent
     existing = folder
     try:

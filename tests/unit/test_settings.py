@@ -254,6 +254,12 @@ def test_a_secret_file_that_is_not_utf8_is_a_config_error(tmp_path: Path, variab
             "token",  # written below, not UTF-8
             "TOKO_API_TOKEN_FILE: token is not UTF-8 text (byte 0); save the secret as UTF-8",
         ),
+        (
+            "TOKO_DATABASE",
+            "shop",  # made below: the folder meant to hold the database
+            "TOKO_DATABASE names shop, which is a folder; name the database file in it, "
+            "like shop/toko.db",
+        ),
     ],
 )
 def test_check_config_says_one_line_and_exits_2(
@@ -265,6 +271,7 @@ def test_check_config_says_one_line_and_exits_2(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     (tmp_path / "token").write_bytes(b"\xff\xfe")
+    (tmp_path / "shop").mkdir()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(name, value)
     assert cli.main(["--check-config"]) == 2
