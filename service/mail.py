@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from email.header import Header
 from email.headerregistry import BaseHeader, HeaderRegistry
 from email.message import EmailMessage
 from email.policy import default as default_policy
@@ -67,6 +68,31 @@ class _HeaderClasses(HeaderRegistry):
 
 # email.policy.default, the EmailMessage default, with the classes kept.
 MESSAGE_POLICY = default_policy.clone(header_factory=_HeaderClasses())
+
+
+def encoded_subject(subject: str) -> str:
+    """``subject`` folded as the Subject header, in encoded words where it must be.
+
+    Not the email package's own folding (policy.default): where it splits a
+    long subject into several encoded words it drops or doubles a space, so
+    a long name arrived as another one. email.header.Header keeps every space
+    inside an encoded word; set_raw keeps its lines as they are.
+    """
+    # Plain text that looks like an encoded word ("=?utf-8?q?...") would be
+    # decoded by the reader.
+    if subject.isascii() and "=?" not in subject:
+        plain = Header(subject, "us-ascii", header_name="Subject").encode()
+        if _fits_unfolded(plain):
+            return plain
+        # A word too long for a line: the policy would fold it its own way.
+    return Header(subject, "utf-8", header_name="Subject").encode()
+
+
+def _fits_unfolded(folded: str) -> bool:
+    """Whether the policy sends ``folded``'s lines as they are (EmailPolicy._fold)."""
+    limit = MESSAGE_POLICY.max_line_length or math.inf
+    first, *rest = folded.splitlines() or [""]
+    return len("Subject: " + first) <= limit and all(len(line) <= limit for line in rest)
 
 
 class MailError(Exception):
@@ -127,7 +153,7 @@ class Email:
         msg["To"] = ", ".join(self.to)
         # The email package refuses a header with a line break in it, and counts
         # U+2028/U+2029 as ones: a subject is one line, whatever text it quotes.
-        msg["Subject"] = " ".join(self.subject.splitlines())
+        msg.set_raw("Subject", encoded_subject(" ".join(self.subject.splitlines())))
         msg["Date"] = formatdate(localtime=False, usegmt=True)
         msg["Message-ID"] = self.message_id
         msg["X-Toko-Job-Id"] = str(self.job_id)

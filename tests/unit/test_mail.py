@@ -43,6 +43,33 @@ OWNERS = ("bos@toko.test", "kasir@toko.test")
 ENQUEUED = 1_764_520_000.123456
 
 
+@pytest.mark.parametrize(
+    "nama",
+    [
+        "Kopi Susu Gula Aren ☕ " * 9 + "☕",
+        "☕ " * 99 + "☕",
+        "a" * 50 + "  " + "b" * 140,
+        "Teh =?utf-8?q?Hijau?= Melati",
+        "Kopi Susu",
+    ],
+    ids=[
+        "long-with-emoji",
+        "200-chars-of-words",
+        "two-spaces-then-a-long-word",
+        "looks-encoded",
+        "short",
+    ],
+)
+def test_the_subject_a_mail_reader_sees_names_the_product_exactly(nama: str) -> None:
+    # The email package's own folding dropped or doubled a space where it
+    # split a long subject into encoded words: the admin read another name.
+    mail = Email(7, ENQUEUED, "toko@toko.test", ("bos@toko.test",), f"Produk baru: {nama}", "isi")
+    raw = mail.to_mime().as_bytes(policy=email.policy.SMTP)
+    assert max(len(line) for line in raw.split(b"\r\n")) <= 78
+    read = email.message_from_bytes(raw, policy=email.policy.default)
+    assert str(read["Subject"]) == f"Produk baru: {nama}"
+
+
 @pytest.mark.parametrize("separator", ["\n", "\r\n", "\u2028", "\u2029", "\x85"])
 def test_a_subject_with_a_line_break_is_sent_on_one_line(separator: str) -> None:
     # Products stored before nama refused these would otherwise fail every attempt.
