@@ -25,7 +25,7 @@ from email.headerregistry import BaseHeader, HeaderRegistry
 from email.message import EmailMessage
 from email.policy import default as default_policy
 from email.utils import formatdate
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import aiosmtplib
 
@@ -39,6 +39,14 @@ SERVER_CLOSING = 421
 # How long looking up the host's name may hold up an email. A resolver that
 # does not answer takes 5 s per server and attempt (resolv.conf), often more.
 EHLO_LOOKUP_SECONDS = 3.0
+# The share of an attempt's time (TOKO_JOB_TIMEOUT) that reaching the server
+# may take: TCP, TLS on smtps://, the server's greeting. A server that never
+# answers (a firewall dropping the packets, an smtps:// port asked for plain
+# text) then fails with its reason, where the attempt's own limit, as long as
+# aiosmtplib's, cut it off first as a bare "timed out".
+CONNECT_SHARE = 0.5
+# Where an admin puts the SMTP password, for messages that send them there.
+PASSWORD_PLACES = "the systemd credential 'smtp-password' or TOKO_SMTP_PASSWORD_FILE"
 
 
 class _HeaderClasses(HeaderRegistry):
@@ -295,6 +303,7 @@ class SmtpMailer:
     ) -> None:
         self._target = target
         self._timeout = timeout
+        self._connect_timeout = timeout * CONNECT_SHARE
         self._tls = tls_context(target.verify_certificate)
         self._ehlo_name = ehlo_name
         self._connections = connections or ConnectionCache()
@@ -304,8 +313,10 @@ class SmtpMailer:
         try:
             connection, refused = await self._transact(msg, list(email.recipients))
         except aiosmtplib.SMTPResponseException as exc:
+            message = f"SMTP {exc.code}: {exc.message}"
+            advice = self._reply_advice(exc)
             raise MailError(
-                f"SMTP {exc.code}: {exc.message}", permanent=500 <= exc.code < 600
+                f"{message}; {advice}" if advice else message, permanent=500 <= exc.code < 600
             ) from exc
         except aiosmtplib.SMTPRecipientsRefused as exc:
             replies = {
@@ -376,11 +387,123 @@ class SmtpMailer:
             timeout=self._timeout,
         )
         try:
-            await client.connect()
+            await client.connect(timeout=self._connect_timeout)
+        except (aiosmtplib.SMTPException, OSError) as exc:
+            client.close()  # see _send_on
+            # Here, not in send(): the same errors on a kept connection, in
+            # the middle of a transaction, say nothing about the settings.
+            advice, hopeless = self._connection_advice(exc)
+            if not advice:
+                raise
+            raise MailError(f"SMTP delivery failed: {advice} ({exc})", permanent=hopeless) from exc
         except BaseException:
             client.close()  # see _send_on
             raise
         return client
+
+    def _reply_advice(self, exc: aiosmtplib.SMTPResponseException) -> str:
+        """What the admin can do about a refusal that is about the settings."""
+        target = self._target
+        if isinstance(exc, aiosmtplib.SMTPAuthenticationError):
+            return (
+                f"the server refused the login as {target.username!r}: check the user in "
+                f"TOKO_SMTP_URL and the password ({PASSWORD_PLACES})"
+            )
+        if exc.code == 530 and not target.logs_in:
+            # 530 5.7.0 Authentication required (RFC 4954): a submission port.
+            return (
+                "the server wants a login, but TOKO_SMTP_URL names no user: write it as "
+                f"smtp://user@{_host_shown(target.host)}:{target.port} and give the "
+                f"password ({PASSWORD_PLACES})"
+            )
+        return ""
+
+    def _connection_advice(self, exc: BaseException) -> tuple[str, bool]:
+        """Why connecting failed, in an admin's words, and whether only a change
+        of settings (no retry) can fix it; "" when the error says it well
+        enough (a refusal with a reply code: see _reply_advice)."""
+        target = self._target
+        where = f"{_host_shown(target.host)}:{target.port}"
+        limit = f"{self._connect_timeout:g} s"
+        if isinstance(exc, aiosmtplib.SMTPConnectTimeoutError):
+            # aiosmtplib raises it from its own SMTPTimeoutError when the
+            # connection stood but no greeting came, from a plain one else.
+            if not isinstance(exc.__cause__, aiosmtplib.SMTPTimeoutError):
+                return (
+                    f"no answer from {where} within {limit}: a firewall may drop the "
+                    "packets, or the host or port in TOKO_SMTP_URL is wrong",
+                    False,
+                )
+            if target.use_tls:
+                return f"{where} took the connection but sent no greeting within {limit}", False
+            return (
+                f"{where} took the connection but sent no greeting within {limit}: the "
+                "server may expect implicit TLS (smtps://, usually port 465) rather than "
+                "plain text or STARTTLS (smtp://)",
+                False,
+            )
+        certificate = _cause(exc, ssl.SSLCertVerificationError)
+        if certificate is not None:
+            return _certificate_advice(where, certificate), True
+        if target.use_tls and _cause(exc, ssl.SSLError) is not None:
+            return (
+                f"TLS handshake with {where} failed: the server may expect STARTTLS "
+                "(smtp://, usually port 587 or 25) rather than implicit TLS (smtps://)",
+                True,
+            )
+        if _cause(exc, ConnectionRefusedError) is not None:
+            return (
+                f"nothing listens on {where} (connection refused): check the port in "
+                "TOKO_SMTP_URL, and that the mail server runs",
+                False,
+            )
+        if _cause(exc, socket.gaierror) is not None:
+            return (
+                f"the mail host name {target.host!r} could not be looked up: check the "
+                "host in TOKO_SMTP_URL, and this host's DNS",
+                False,
+            )
+        return "", False
+
+
+# OpenSSL's X509_V_ERR_* codes for a certificate no CA of this host vouches
+# for: self-signed, or issued by a private CA.
+_UNKNOWN_ISSUER = frozenset({18, 19, 20, 21})
+# ... and for one issued to another name than the URL's host.
+_OTHER_NAME = frozenset({62, 64})
+
+
+def _certificate_advice(where: str, error: ssl.SSLCertVerificationError) -> str:
+    problem = f"the certificate of {where} does not check out ({error.verify_message})"
+    if error.verify_code in _UNKNOWN_ISSUER:
+        return (
+            f"{problem}: it is self-signed or from a private CA; add that CA to this "
+            "host's (update-ca-certificates), then restart toko-api"
+        )
+    if error.verify_code in _OTHER_NAME:
+        return (
+            f"{problem}: it is issued to another name; name the server in TOKO_SMTP_URL "
+            "as its certificate does"
+        )
+    return problem
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _host_shown(host: str) -> str:
+    """``host`` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
+def _cause(exc: BaseException, kind: type[_E]) -> _E | None:
+    """``exc`` or the first exception it was raised from that is a ``kind``."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, kind):
+            return seen
+        seen = seen.__cause__
+    return None
 
 
 async def _send_on(

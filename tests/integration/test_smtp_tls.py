@@ -1,9 +1,10 @@
 """TLS and login on the way to the SMTP server: the password only goes over
-TLS to the server the URL names, and a relay's self-signed STARTTLS does not
-stop the mail."""
+TLS to the server the URL names, a relay's self-signed STARTTLS does not
+stop the mail, and the wrong scheme for a port says which one to use."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import aiohttp
@@ -122,3 +123,55 @@ async def test_a_relays_self_signed_starttls_does_not_stop_the_mail(
         svc = await start(service_factory, smtp, {})
         message = await sent_one(svc, smtp)
         assert message.tls and message.login is None
+
+
+# A server that speaks TLS first (port 465) asked for smtp://, and one that
+# speaks plain text first (587, 25) asked for smtps://: what the journal says
+# at the first attempt, and that the email goes once the URL is fixed.
+SCHEME_MISTAKES = {
+    "smtp-to-implicit-tls": (True, "smtp", "the server may expect implicit TLS (smtps://"),
+    "smtps-to-starttls": (False, "smtps", "the server may expect STARTTLS (smtp://"),
+}
+
+
+@pytest.mark.parametrize("mistake", SCHEME_MISTAKES)
+async def test_the_wrong_scheme_for_the_port_says_which_and_the_fixed_url_delivers(
+    service_factory: ServiceFactory, ca: trustme.CA, trusted: dict[str, str], mistake: str
+) -> None:
+    implicit_tls, wrong_scheme, says = SCHEME_MISTAKES[mistake]
+    attempt_seconds = 4.0
+    retrying = {
+        **trusted,
+        "TOKO_JOB_MAX_ATTEMPTS": "20",
+        "TOKO_JOB_BACKOFF": "0.1",
+        "TOKO_JOB_TIMEOUT": str(attempt_seconds),
+    }
+    with SmtpServer(tls=server_tls(ca), implicit_tls=implicit_tls) as smtp:
+        wrong_url = f"{wrong_scheme}://127.0.0.1:{smtp.port}"
+        svc = await start(service_factory, smtp, {**retrying, "TOKO_SMTP_URL": wrong_url})
+        posted = time.monotonic()
+        await post_one(svc)
+        retry = await svc.async_wait_log("job failed, will retry", timeout=20)
+        # Before the attempt's own limit, which said no more than "timed out".
+        assert time.monotonic() - posted < attempt_seconds, retry
+        assert says in str(retry["ERROR"]), retry
+        svc.terminate()
+        assert await svc.async_wait_exit(timeout=20) == 0
+
+        fixed = await start(service_factory, smtp, retrying)
+        await smtp.async_wait_delivered(1, timeout=20)
+        await fixed.async_wait_log("email sent", timeout=20)
+        (message,) = smtp.delivered()
+        assert message.tls
+
+
+async def test_smtps_to_a_plain_text_port_is_an_error_from_the_first_attempt(
+    service_factory: ServiceFactory, trusted: dict[str, str]
+) -> None:
+    # No retry fixes it, as with a wrong password: `journalctl -p err` shows it now.
+    with SmtpServer() as smtp:
+        env = {**trusted, "TOKO_SMTP_URL": f"smtps://127.0.0.1:{smtp.port}"}
+        svc = await start(service_factory, smtp, {**env, "TOKO_JOB_MAX_ATTEMPTS": "5"})
+        await post_one(svc)
+        retry = await svc.async_wait_log("job failed, will retry", timeout=20)
+        assert retry["level"] == "ERROR", retry

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import trustme
@@ -416,3 +417,131 @@ async def test_a_lookup_that_fails_gives_the_short_name(
     mailer = mailers(ehlo_name=EhloName(lookup=fails, fallback=lambda: "kasir"))
     await mailer.send(product_email(1))
     assert [m.helo for m in smtp.delivered()] == ["kasir"]
+
+
+# Set-up mistakes: each fails with what is wrong, in words, and soon.
+
+ATTEMPT_SECONDS = 4.0  # the mailer's timeout (TOKO_JOB_TIMEOUT) in these tests
+
+
+async def failure(target: SmtpTarget) -> tuple[MailError, float]:
+    """The MailError of one email to ``target``, and how long it took to come."""
+    mailer = SmtpMailer(target, timeout=ATTEMPT_SECONDS)
+    started = time.monotonic()
+    try:
+        with pytest.raises(MailError) as failed:
+            await mailer.send(product_email(1))
+    finally:
+        await mailer.close()
+    return failed.value, time.monotonic() - started
+
+
+def at(server: SmtpServer, *, use_tls: bool, user: str | None = None) -> SmtpTarget:
+    password = "s3cret" if user else None
+    return SmtpTarget("127.0.0.1", server.port, user, password, use_tls=use_tls)
+
+
+@pytest.mark.parametrize("user", [None, "toko"])
+async def test_smtp_to_a_port_that_speaks_tls_first_says_smtps_before_the_attempts_end(
+    user: str | None,
+) -> None:
+    # Port 465 waits for the client's TLS hello; an smtp:// client waits for
+    # the greeting. The attempt's own limit cut that off as "timed out".
+    with SmtpServer(tls=server_tls(trustme.CA()), implicit_tls=True) as server:
+        error, took = await failure(at(server, use_tls=False, user=user))
+    assert "sent no greeting" in str(error) and "smtps://" in str(error), error
+    assert took < ATTEMPT_SECONDS * 0.75, took
+
+
+@pytest.mark.parametrize("starttls", [True, False])
+async def test_smtps_to_a_port_that_speaks_plain_text_first_says_starttls(
+    starttls: bool,
+) -> None:
+    with SmtpServer(tls=server_tls(trustme.CA()) if starttls else None) as server:
+        error, _ = await failure(at(server, use_tls=True))
+    assert "TLS handshake with 127.0.0.1" in str(error), error
+    assert "may expect STARTTLS (smtp://" in str(error), error
+    assert error.permanent  # logged as an error at once: no retry fixes it
+
+
+async def test_a_self_signed_certificate_says_so_and_where_to_add_its_ca() -> None:
+    with SmtpServer(tls=server_tls(trustme.CA()), implicit_tls=True) as server:
+        error, _ = await failure(at(server, use_tls=True))
+    assert "self-signed or from a private CA" in str(error), error
+    assert "update-ca-certificates" in str(error) and "CERTIFICATE_VERIFY_FAILED" in str(error)
+    assert error.permanent
+
+
+async def test_a_certificate_for_another_name_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    ca = trustme.CA()
+    trust(monkeypatch, tmp_path, ca)
+    with SmtpServer(tls=server_tls(ca, "mail.shop.test"), implicit_tls=True) as server:
+        error, _ = await failure(at(server, use_tls=True))
+    assert "issued to another name" in str(error), error
+
+
+def trust(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ca: trustme.CA) -> None:
+    """Make ``ca`` the only one trusted by TLS contexts made from now on."""
+    bundle = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(bundle))
+    monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
+    monkeypatch.setenv("SSL_CERT_DIR", str(tmp_path / "no-other-cas"))
+
+
+async def test_a_server_wanting_a_login_the_url_names_no_user_for_says_how_to_name_one() -> None:
+    with SmtpServer(tls=server_tls(trustme.CA()), account=("toko", "s3cret")) as server:
+        error, _ = await failure(at(server, use_tls=False))
+    assert str(error).startswith("SMTP 530: "), error
+    assert "TOKO_SMTP_URL names no user" in str(error), error
+    assert f"smtp://user@127.0.0.1:{server.port}" in str(error), error
+
+
+async def test_a_wrong_password_names_the_user_and_where_the_password_comes_from(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    ca = trustme.CA()
+    trust(monkeypatch, tmp_path, ca)
+    with SmtpServer(tls=server_tls(ca), account=("toko", "another")) as server:
+        error, _ = await failure(at(server, use_tls=False, user="toko"))
+    assert str(error).startswith("SMTP 535: "), error
+    assert "refused the login as 'toko'" in str(error), error
+    assert "TOKO_SMTP_PASSWORD_FILE" in str(error) and "s3cret" not in str(error)
+
+
+async def test_a_port_where_nothing_listens_says_so() -> None:
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    error, _ = await failure(at_port(port))
+    assert f"nothing listens on 127.0.0.1:{port}" in str(error), error
+
+
+async def test_a_host_name_that_does_not_resolve_says_so() -> None:
+    target = SmtpTarget("mail.toko.invalid", 25, None, None, use_tls=False)  # RFC 6761
+    error, _ = await failure(target)
+    assert "'mail.toko.invalid' could not be looked up" in str(error), error
+
+
+async def test_a_host_that_never_answers_says_so_before_the_attempts_end() -> None:
+    # A listening socket whose backlog is full drops further SYNs, as a
+    # firewall that drops packets does: the connection is never made.
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        waiting = [socket.socket() for _ in range(3)]
+        try:
+            for client in waiting:
+                client.setblocking(False)
+                client.connect_ex(full.getsockname())
+            error, took = await failure(at_port(full.getsockname()[1]))
+        finally:
+            for client in waiting:
+                client.close()
+    assert "no answer from 127.0.0.1" in str(error) and "firewall" in str(error), error
+    assert took < ATTEMPT_SECONDS * 0.75, took
+
+
+def at_port(port: int) -> SmtpTarget:
+    return SmtpTarget("127.0.0.1", port, None, None, use_tls=False)
