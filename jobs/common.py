@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pwd
 import signal
 import sys
 from collections.abc import Callable
@@ -14,7 +13,13 @@ from types import FrameType
 
 from service import __version__
 from service.logs import setup_logging, stop_waiting_for_journald
-from service.settings import ConfigError, Settings, check_database_folder, output_is_journal
+from service.settings import (
+    ConfigError,
+    Settings,
+    check_database_folder,
+    output_is_journal,
+    user_name,
+)
 
 # How long a job's exit waits for a journald that does not read (stopped,
 # restarting) to take its last lines. toko-api waits 2 s, inside its stop
@@ -66,12 +71,7 @@ def anothers_database(database: Path) -> str | None:
         owner = (database if database.exists() else database.parent).stat().st_uid
     except OSError:
         return None  # nothing there: the command itself will say so
-    if owner == 0:
-        return None
-    try:
-        return pwd.getpwuid(owner).pw_name
-    except KeyError:
-        return f"#{owner}"
+    return None if owner == 0 else user_name(owner)
 
 
 def require_database(database: str) -> None:

@@ -516,14 +516,15 @@ def check_database_folder(settings: Settings) -> None:
         except OSError:
             continue  # not there yet, or not ours to see: opening it says so
         if owner == 0 and not os.access(path, needed):
-            me = _user(os.geteuid())
+            me = user_name(os.geteuid())
             raise ConfigError(
                 f"TOKO_DATABASE: {path} belongs to root, and {me} cannot write to it: "
                 f"chown {me}: {path}"
             )
 
 
-def _user(uid: int) -> str:
+def user_name(uid: int) -> str:
+    """The name of user ``uid``, or ``#uid`` where it has none."""
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
