@@ -10,13 +10,14 @@ few entries and stays full.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -121,9 +122,13 @@ async def test_a_journald_that_stops_reading_holds_up_log_lines_not_requests(
     assert not [e for e in entries if "DROPPED" in e]
 
 
-async def test_a_timer_job_waits_at_exit_for_journald_to_take_its_last_lines(
+@contextlib.asynccontextmanager
+async def failed_job_waiting_for_journald(
     journal_dir: Path, tmp_path: Path
-) -> None:
+) -> AsyncIterator[tuple[socket.socket, asyncio.subprocess.Process, int]]:
+    """toko-backup without a database, journald's queue full: the job has failed
+    and said so on stderr, and its last journal line waits at exit for journald.
+    Yields journald's socket, the job and how many entries fill the queue."""
     journald = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     journald.setblocking(False)
     journald.bind(str(journal_dir / "socket"))
@@ -139,53 +144,44 @@ async def test_a_timer_job_waits_at_exit_for_journald_to_take_its_last_lines(
             assert job.stderr is not None
             first = await asyncio.wait_for(job.stderr.readline(), 10)
             assert first.startswith(b"toko-backup: no database at ")
-            # Its last line ("toko-backup failed: ...") is waiting for journald:
-            # the exit waits too, well past the 2 s toko-api's stop allows.
-            with pytest.raises(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(job.wait()), 3)
-            for _ in range(others):  # journald reads again
-                await asyncio.get_running_loop().sock_recv(journald, 1 << 20)
-            entry = parse(
-                await asyncio.wait_for(asyncio.get_running_loop().sock_recv(journald, 1 << 20), 5)
-            )
-            assert await asyncio.wait_for(job.wait(), 5) == 1
+            yield journald, job, others
         finally:
             if job.returncode is None:
                 job.kill()
                 await job.wait()
+
+
+async def test_a_timer_job_waits_at_exit_for_journald_to_take_its_last_lines(
+    journal_dir: Path, tmp_path: Path
+) -> None:
+    async with failed_job_waiting_for_journald(journal_dir, tmp_path) as (journald, job, others):
+        # Its last line ("toko-backup failed: ...") is waiting for journald:
+        # the exit waits too, well past the 2 s toko-api's stop allows.
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(job.wait()), 3)
+        loop = asyncio.get_running_loop()
+        for _ in range(others):  # journald reads again
+            await loop.sock_recv(journald, 1 << 20)
+        entry = parse(await asyncio.wait_for(loop.sock_recv(journald, 1 << 20), 5))
+        assert await asyncio.wait_for(job.wait(), 5) == 1
     assert entry["MESSAGE"].startswith("toko-backup failed: no database at ")
     assert entry["SYSLOG_IDENTIFIER"] == "toko-backup" and entry["PRIORITY"] == "3"
+    assert job.stderr is not None
     assert await job.stderr.read() == b""  # nothing lost
 
 
 async def test_a_sigterm_ends_a_timer_jobs_wait_for_journald_and_it_counts_what_is_lost(
     journal_dir: Path, tmp_path: Path
 ) -> None:
-    journald = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    journald.setblocking(False)
-    journald.bind(str(journal_dir / "socket"))
-    with journald:
-        fill(journald)  # journald has stopped reading, and does not read again
-        job = await asyncio.create_subprocess_exec(
-            under_journald(journal_dir, tmp_path, TOKO_API.parent / "toko-backup"),
-            env=clean_environment(TOKO_DATABASE=str(tmp_path / "missing.db")),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        try:
-            assert job.stderr is not None
-            first = await asyncio.wait_for(job.stderr.readline(), 10)
-            assert first.startswith(b"toko-backup: no database at ")
-            with pytest.raises(TimeoutError):  # waiting for journald to take its last line
-                await asyncio.wait_for(asyncio.shield(job.wait()), 1)
-            # systemctl stop, or a shutdown, while the job waits at exit.
-            job.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(job.wait(), 5) == 1  # well before its 30 s
-        finally:
-            if job.returncode is None:
-                job.kill()
-                await job.wait()
+    # journald has stopped reading, and does not read again.
+    async with failed_job_waiting_for_journald(journal_dir, tmp_path) as (_, job, _):
+        with pytest.raises(TimeoutError):  # waiting for journald to take its last line
+            await asyncio.wait_for(asyncio.shield(job.wait()), 1)
+        # systemctl stop, or a shutdown, while the job waits at exit.
+        job.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(job.wait(), 5) == 1  # well before its 30 s
     # Not Stopped's traceback: the count of what journald never got.
+    assert job.stderr is not None
     assert await job.stderr.read() == (
         b"1 log lines were lost: the journal did not take them"
         b" before the program was stopped at exit\n"
