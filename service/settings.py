@@ -491,7 +491,9 @@ def check_database_folder(settings: Settings) -> None:
             f"TOKO_DATABASE names {settings.database}, which is a folder; "
             f"name the database file in it, like {file}"
         )
-    folder = Path(os.path.abspath(settings.database)).parent
+    # SQLite writes beside the file a symbolic link points to, as toko its lock
+    # file: that folder must be writable, not the link's.
+    folder = Path(os.path.realpath(settings.database)).parent
     existing = folder
     try:
         while not existing.exists() and existing != existing.parent:

@@ -25,13 +25,23 @@ def read_only_folder(tmp_path: Path) -> Iterator[Path]:
     yield from mount_tmpfs(tmp_path / "srv", "size=1m")
 
 
-async def moved_database(folder: Path) -> Path:
+async def new_database(folder: Path) -> Path:
+    """A toko database in ``folder``."""
     database = folder / "toko.db"
     store = SqliteStore(str(database))
     await store.open()
     await store.close()
+    return database
+
+
+async def remount_read_only(folder: Path) -> None:
     remount = await asyncio.create_subprocess_exec("mount", "-o", "remount,ro", str(folder))
     assert await remount.wait() == 0
+
+
+async def moved_database(folder: Path) -> Path:
+    database = await new_database(folder)
+    await remount_read_only(folder)
     return database
 
 
@@ -80,3 +90,21 @@ async def test_the_timer_jobs_say_the_same_at_error_priority(read_only_folder: P
     assert alert.stderr.splitlines() == [
         f"toko-alert: could not queue the alert email for toko-recap.service: {line}"
     ]
+
+
+async def test_a_symbolic_link_in_a_read_only_folder_to_a_writable_database_is_used(
+    read_only_folder: Path, tmp_path: Path
+) -> None:
+    # SQLite writes its -wal and -shm, and toko its lock file, beside the file
+    # the link points to: that folder is the one that must be writable. Judged
+    # by the link's folder, toko-api and the commands refused a set-up that
+    # works (exit 2).
+    (tmp_path / "data").mkdir()
+    real = await new_database(tmp_path / "data")
+    link = read_only_folder / "toko.db"
+    link.symlink_to(real)
+    await remount_read_only(read_only_folder)
+    result = await run("toko-api", "--check-config", env={"TOKO_DATABASE": str(link)})
+    assert result.returncode == 0, result
+    stats = await run("toko-queue", "stats", env={"TOKO_DATABASE": str(link)})
+    assert stats.returncode == 0, stats
