@@ -191,7 +191,8 @@ def check_logs(
     also_explained: Callable[[Row], bool] = lambda record: False,
 ) -> None:
     """No traceback anywhere, and an ERROR only where a fault explains it: a
-    refused email's dead letter, or what ``also_explained`` allows."""
+    refused email's retries (a 5xx is an error from its first attempt) and
+    dead letter, or what ``also_explained`` allows."""
     refused_jobs = {
         str(job["id"]) for pid, job in job_by_product.items() if REFUSED in products[pid]["nama"]
     }
@@ -201,7 +202,6 @@ def check_logs(
             assert "exception" not in r and "Traceback" not in r.get("_raw", ""), r
             if r.get("level") not in ("ERROR", "CRITICAL"):
                 continue
-            dead_letter = r.get("message") == "job failed permanently" and (
-                str(r.get("JOB_ID")) in refused_jobs
-            )
-            assert dead_letter or also_explained(r), f"an ERROR no fault explains: {r}"
+            refusal = r.get("message") in ("job failed, will retry", "job failed permanently")
+            refused = refusal and str(r.get("JOB_ID")) in refused_jobs
+            assert refused or also_explained(r), f"an ERROR no fault explains: {r}"
