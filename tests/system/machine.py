@@ -317,13 +317,19 @@ class Machine:
         self.boot(timeout)
 
     def power_cut(self, while_off: Callable[[], None] = lambda: None, timeout: float = 90) -> None:
-        """Every process of the container killed at once (SIGKILL), ``while_off()``, then boot.
+        """``cut_power()``, ``while_off()``, then boot."""
+        self.cut_power()
+        self.boot_after_cut(while_off, timeout)
+
+    def cut_power(self) -> None:
+        """Every process of the container killed at once (SIGKILL); ``boot_after_cut()`` next.
 
         SIGKILL to the container's PID 1 makes the kernel kill everything in
         its PID namespace in the same instant, and nspawn is killed with it. No
         process gets to flush or sync anything. The tree is a directory on
         the host, whose page cache survives: this is a crash of every process,
-        not a lost disk cache.
+        not a lost disk cache. Any thread may call this, so that a test can
+        cut the power the instant something happens.
         """
         proc = self._nspawn
         assert proc is not None, "boot() first"
@@ -331,6 +337,11 @@ class Machine:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         log(f"cut the power of {self.name}")  # not before: a caller may time the cut
+
+    def boot_after_cut(self, while_off: Callable[[], None], timeout: float = 90) -> None:
+        """Once ``cut_power()`` has brought the container down, ``while_off()``, then boot."""
+        proc = self._nspawn
+        assert proc is not None, "boot() first"
         proc.wait(timeout=timeout)
         self._nspawn = None
         while_off()
