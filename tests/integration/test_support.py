@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from tests.support import http
-from tests.support.notify import NotifyListener, send
+from tests.support.notify import Notification, NotifyListener, send
 from tests.support.recorder import Recorder
 from tests.support.service import ProcessExited, ServiceProcess
 from tests.support.smtp import SmtpServer
@@ -158,6 +158,26 @@ async def test_notify_records_parses_and_runs_hooks_first() -> None:
         assert listener.first("X_TEST_FLUSH", "1") is not None
     # The hook ran before each datagram became visible to waiters.
     assert seen_in_log_at_hook == [0, 1, 2, 3, 4, 5]
+
+
+def test_notify_stamps_a_datagram_when_it_was_sent_not_when_read() -> None:
+    # A loaded machine wakes the listener late; a run of pings sent 200 ms
+    # apart then looked like one long gap and a burst (the watchdog tests).
+    held, release = threading.Event(), threading.Event()
+
+    def hold(note: Notification) -> None:
+        held.set()
+        release.wait(5)
+
+    with NotifyListener(hooks=[hold]) as listener:
+        send(listener.path, "HOLD=1")
+        assert held.wait(5)  # the listener thread is stuck in the hook
+        sent_at = time.monotonic()
+        send(listener.path, "WATCHDOG=1")
+        time.sleep(0.5)  # the behaviour under test is time itself: read late
+        release.set()
+        ping = listener.wait_for_field("WATCHDOG", timeout=5)
+    assert ping.at - sent_at < 0.1, f"stamped {ping.at - sent_at:.3f}s after it was sent"
     assert _gone(listener.path)
 
 

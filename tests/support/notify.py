@@ -8,11 +8,13 @@ Usage::
         notify.count("WATCHDOG", since=ready.at, until=ready.at + 2)
         notify.first("STOPPING")              # Notification or None
 
-A thread receives the datagrams, stamps each with ``time.monotonic()`` as it
-arrives and records it in :attr:`NotifyListener.log`. Optional ``hooks`` run in
-that thread *before* the datagram is recorded (and so before any waiter wakes):
-this is where a test checks something at the very moment a message arrives,
-e.g. that the service's port already accepts connections when READY=1 comes.
+A thread receives the datagrams and records each in :attr:`NotifyListener.log`,
+stamped with the moment the kernel queued it (on the ``time.monotonic()``
+scale): when the service sent it, however late this thread gets to run.
+Optional ``hooks`` run in that thread *before* the datagram is recorded (and
+so before any waiter wakes): this is where a test checks something at the very
+moment a message arrives, e.g. that the service's port already accepts
+connections when READY=1 comes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import select
 import shutil
 import socket
+import struct
 import tempfile
 import threading
 import time
@@ -35,7 +38,7 @@ from tests.support.recorder import Recorder
 class Notification:
     """One datagram: its arrival time and its ``KEY=VALUE`` lines."""
 
-    at: float  # time.monotonic() at reception
+    at: float  # when the kernel queued it, on the time.monotonic() scale
     raw: str
     fields: dict[str, str]
 
@@ -44,6 +47,12 @@ class Notification:
 
 
 Hook = Callable[[Notification], None]
+
+# Linux's SO_TIMESTAMPNS (asm-generic), which the socket module does not name:
+# each datagram then carries the CLOCK_REALTIME moment the kernel queued it, as
+# a struct timespec (two longs).
+SO_TIMESTAMPNS = 35
+TIMESPEC = struct.Struct("@qq")
 
 
 class NotifyListener:
@@ -63,6 +72,10 @@ class NotifyListener:
 
     def start(self) -> NotifyListener:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        # Stamped by the kernel, not by this thread: on a loaded machine the
+        # thread may wake late (the GIL, the scheduler) and stamp a run of
+        # evenly spaced pings as one gap and a burst.
+        self._sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         self._sock.bind(self.path)
         self._thread = threading.Thread(target=self._run, name="notify-listener", daemon=True)
         self._thread.start()
@@ -97,8 +110,8 @@ class NotifyListener:
             readable, _, _ = select.select([self._sock, self._wake_r], [], [])
             if self._wake_r in readable:
                 return
-            data = self._sock.recv(65536)
-            at = time.monotonic()
+            data, ancillary, _, _ = self._sock.recvmsg(65536, socket.CMSG_SPACE(TIMESPEC.size))
+            at = _queued_at(ancillary)
             text = data.decode("utf-8", errors="replace")
             fields: dict[str, str] = {}
             for line in text.split("\n"):
@@ -160,6 +173,18 @@ class NotifyListener:
     ) -> Notification:
         """Await a notification with ``key`` (= ``value``) arriving at/after ``since``."""
         return await self.log.async_wait_for(_match(key, value, since), timeout, _what(key, value))
+
+
+def _queued_at(ancillary: list[tuple[int, int, bytes]]) -> float:
+    """When the kernel queued a datagram, on the time.monotonic() scale (now
+    if it did not say)."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+            seconds, nanoseconds = TIMESPEC.unpack(data[: TIMESPEC.size])
+            # How long ago, by the wall clock, taken from the monotonic now.
+            age = time.time() - (seconds + nanoseconds / 1e9)
+            return time.monotonic() - max(age, 0.0)
+    return time.monotonic()
 
 
 def _what(key: str, value: str | None) -> str:
