@@ -43,9 +43,17 @@ async def test_temporary_outage_for_a_while_loses_nothing(
         {"TOKO_SMTP_URL": smtp.url, "TOKO_JOB_BACKOFF": "0.05", "TOKO_JOB_MAX_ATTEMPTS": "20"}
     ).start()
     await svc.async_wait_ready(timeout=20)
-    smtp.fail_for(1.0)  # from now: first attempts happen within it
+    # The outage lasts until every email has met it: a fixed second was not
+    # always enough for six first attempts on a loaded machine.
+    smtp.fail_for(3600)
     async with aiohttp.ClientSession() as session:
         await create_products(session, svc.base_url, [f"Outage {i}" for i in range(6)])
+    await smtp.log.async_wait_for(
+        lambda xs: len({m.message_id for m in xs if m.outcome == "tempfailed"}) >= 6,
+        timeout=30,
+        what="a failed first attempt for each of the 6 emails",
+    )
+    smtp.reset()  # the server is back
     ids = await smtp.async_wait_delivered(6, timeout=30)
     tempfailed = {m.message_id for m in smtp.messages("tempfailed")}
     assert tempfailed == ids, "every email should have met the outage and been retried"
