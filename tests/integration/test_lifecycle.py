@@ -167,9 +167,12 @@ def _logged_starting_with(prefix: str) -> Callable[[Sequence[LogRecord]], LogRec
 
 async def _assert_start_up_stopped(svc: ServiceProcess, asked_at: float) -> None:
     """Out within a moment, exit 0, one line saying so, no READY=1, no listening port."""
-    assert await svc.async_wait_exit(timeout=5) == 0, svc.output_tail()
+    assert await svc.async_wait_exit(timeout=10) == 0, svc.output_tail()
     took = time.monotonic() - asked_at
-    assert took < 2.0, f"took {took:.1f}s to stop during start-up"
+    # Half the shortest wait a stop used to sit out (the 10 s busy timeout;
+    # the database retries: 20 s). A tighter bound timed the machine: from
+    # before the start, an interpreter start-up on a busy machine took 2.2 s.
+    assert took < 5.0, f"took {took:.1f}s to stop during start-up"
     assert svc.find_logs("start-up stopped: asked to stop before ready"), svc.output_tail()
     assert svc.stderr.snapshot() == [], "a stop that was asked for is no failure"
     assert svc.notify is not None
