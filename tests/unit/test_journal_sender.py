@@ -175,7 +175,9 @@ def journal_logger(sender: JournalSender, name: str) -> logging.Logger:
 def run_briefly(target: Callable[[], None]) -> None:
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
-    thread.join(timeout=10)
+    # A deadlocked thread never ends: the limit only has to stay below the
+    # test's own (120 s), far from what a loaded machine takes.
+    thread.join(timeout=60)
     assert not thread.is_alive(), "logging deadlocked"
 
 
@@ -202,6 +204,9 @@ def test_a_line_a_finalizer_logs_during_a_send_is_queued_not_a_deadlock(
     def collect_at_every_point_of_a_send() -> None:
         threshold = gc.get_threshold()
         gc.set_threshold(100)
+        # Out of the collections below: what the test session holds already.
+        # 100 full collections walked its whole heap, over 10 s on a busy machine.
+        gc.freeze()
         try:
             for allocations in range(100):
                 gc.collect()  # the next collection: after 100 allocations
@@ -209,6 +214,7 @@ def test_a_line_a_finalizer_logs_during_a_send_is_queued_not_a_deadlock(
                 _ = [[] for _ in range(allocations)]
                 log.info("line %d", allocations)
         finally:
+            gc.unfreeze()
             gc.set_threshold(*threshold)
 
     for n in range(20):  # journald busy: its queue fills, sends fail until it reads
