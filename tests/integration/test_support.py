@@ -18,7 +18,7 @@ import aiosmtplib
 import pytest
 from aiohttp import web
 
-from tests.support import http
+from tests.support import http, ports
 from tests.support.notify import Notification, NotifyListener, send
 from tests.support.recorder import Recorder
 from tests.support.service import ProcessExited, ServiceProcess
@@ -384,3 +384,11 @@ async def test_traced_records_only_what_happens_while_attached(tmp_path: Path) -
     # -y names the descriptor's file: "3</path/to/data>".
     synced = [(c.name, c.args.partition("<")[2], c.result) for c in calls]
     assert synced == [("fdatasync", f"{data}>", "0")] * 2
+
+
+def test_free_ports_never_repeat_and_no_client_socket_gets_one() -> None:
+    picked = [ports.free_port() for _ in range(200)]
+    assert len(set(picked)) == len(picked)
+    # The kernel gives client sockets their source port from this range only.
+    low, _high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert all(ports.LOWEST <= port < low for port in picked), picked

@@ -32,7 +32,6 @@ import pwd
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -41,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+
+from tests.support.ports import free_port
 
 SUPERUSER = "toko"
 DEBIAN_PACKAGES = "postgresql postgresql-client"
@@ -69,13 +70,6 @@ def _version_key(name: str) -> tuple[int, ...]:
     return tuple(int(part) for part in name.split(".") if part.isdigit())
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _run_as() -> pwd.struct_passwd | None:
     """The unprivileged account to run the server as, or None to run as ourselves."""
     if os.geteuid() != 0:
@@ -95,7 +89,7 @@ class PostgresCluster:
         self.folder = Path(tempfile.mkdtemp(prefix="toko-pg-"))
         self.datadir = self.folder / "data"
         self.logfile = self.folder / "server.log"
-        self.port = _free_port()
+        self.port = free_port()
         self.host = "127.0.0.1"
         self.user = SUPERUSER
         self.password = secrets.token_hex(12)

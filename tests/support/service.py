@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tests.support.notify import Notification, NotifyListener
+from tests.support.ports import free_port
 from tests.support.recorder import Recorder
 
 TOKO_API = Path(sys.executable).parent / "toko-api"
@@ -48,14 +49,6 @@ LogRecord = dict[str, Any]
 
 class ProcessExited(AssertionError):
     """The service exited while a test was waiting for something from it."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def clean_environment(**extra: str) -> dict[str, str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.ports import free_port
 from tests.support.smtp import SmtpServer
 from tests.system.deployment import Deployment
 from tests.system.machine import Machine, cached_tree, log
@@ -52,12 +52,6 @@ def trees(request: pytest.FixtureRequest) -> Iterator[dict[str, Future[Path]]]:
         yield {suite: pool.submit(cached_tree, suite) for suite in suites}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def deployment(suite: str, trees: dict[str, Future[Path]]) -> Iterator[Deployment]:
     """Debian ``suite`` booted, with ``make install`` run in the copied checkout."""
@@ -65,7 +59,7 @@ def deployment(suite: str, trees: dict[str, Future[Path]]) -> Iterator[Deploymen
     pristine = trees[suite].result()
     log(f"{suite}: tree ready after {time.monotonic() - started:.1f} s")
     machine = Machine(suite, pristine)
-    toko = Deployment(machine, _free_port())
+    toko = Deployment(machine, free_port())
     try:
         machine.prepare()
         toko.stage()
