@@ -199,6 +199,10 @@ class Deployment:
         ``unit`` may also be a journal match such as ``SYSLOG_IDENTIFIER=toko-alert``.
         """
         match = unit if "=" in unit else f"--unit={unit}"
+        # journald reads its sockets on its own schedule: a line a process
+        # wrote before `systemctl` returned may still wait in its queue.
+        # --sync returns once journald has taken in what was queued before it.
+        self.machine.run(["journalctl", "--sync"])
         argv = ["journalctl", match, "-o", "json", "--no-pager"]
         if since is not None:
             argv.append(f"--since=@{int(since)}")
