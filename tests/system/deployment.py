@@ -139,6 +139,19 @@ class Deployment:
     def show(self, unit: str, prop: str) -> str:
         return self.machine.run(["systemctl", "show", "-P", prop, unit]).stdout.strip()
 
+    def timers_scheduled(self, *timers: str) -> bool:
+        """Whether ``systemctl list-timers`` shows a next run for each of ``timers``.
+
+        A timer has none (NEXT shows "-") while the run it started goes on, so
+        a caller waits for this. A timer not listed at all is no matter of
+        time: it fails at once.
+        """
+        listing = self.machine.run(["systemctl", "list-timers", "--all", "--no-pager"]).stdout
+        lines = [next((ln for ln in listing.splitlines() if t in ln), None) for t in timers]
+        assert None not in lines, listing
+        # NEXT is the first column; an unscheduled timer shows "-" or "n/a" there.
+        return not any(ln.startswith(("-", "n/a")) for ln in lines if ln is not None)
+
     def main_pid(self) -> int:
         return int(self.show("toko-api.service", "MainPID"))
 
