@@ -14,8 +14,9 @@ certificates, pip's ``cert``), boots it with ``systemd-nspawn --boot
 --register=no --keep-unit`` (systemd need not be PID 1 here) and runs commands
 inside with ``nsenter`` in a clean environment, as an admin's root shell would.
 Without ``--private-network`` the container shares the host's network, so its
-sockets are on the host's 127.0.0.1. ``reboot()`` and ``power_cut()`` take it
-down (cleanly, or by killing every process at once) and boot the same tree again.
+sockets are on the host's 127.0.0.1. ``reboot()``, and ``cut_power()`` then
+``boot_after_cut()``, take it down (cleanly, or by killing every process at
+once) and boot the same tree again.
 """
 
 from __future__ import annotations
@@ -315,11 +316,6 @@ class Machine:
         self._nspawn = None
         while_off()
         self.boot(timeout)
-
-    def power_cut(self, while_off: Callable[[], None] = lambda: None, timeout: float = 90) -> None:
-        """``cut_power()``, ``while_off()``, then boot."""
-        self.cut_power()
-        self.boot_after_cut(while_off, timeout)
 
     def cut_power(self) -> None:
         """Every process of the container killed at once (SIGKILL); ``boot_after_cut()`` next.

@@ -223,14 +223,15 @@ def power_cut_while_posting(
 
 def shown_time(toko: Deployment, prop: str, unit: str = "") -> int:
     """A timestamp property of ``unit`` (or of the manager), in µs since the epoch."""
-    text = toko.machine.run(["systemctl", "show", "-P", prop, *([unit] if unit else [])]).stdout
-    return usec_since_epoch(toko, text)
+    return shown_times(toko, unit, prop)[prop]
 
 
 def shown_times(toko: Deployment, unit: str, *props: str) -> dict[str, int]:
-    """Timestamp properties of ``unit`` read in one call, so from one state of
-    the manager (no run of the unit falls between them), in µs since the epoch."""
-    argv = ["systemctl", "show", *(f"--property={prop}" for prop in props), unit]
+    """Timestamp properties of ``unit`` (or of the manager) read in one call, so
+    from one state of the manager (no run of the unit falls between them), in
+    µs since the epoch."""
+    argv = ["systemctl", "show", *(f"--property={prop}" for prop in props)]
+    argv += [unit] if unit else []
     shown = dict(line.split("=", 1) for line in toko.machine.run(argv).stdout.splitlines())
     return {prop: usec_since_epoch(toko, shown[prop]) for prop in props}
 
