@@ -39,6 +39,12 @@ class InvalidInput(ValueError):
     """The client sent something we cannot accept (HTTP 400)."""
 
 
+class _RepeatedKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
 class _LongInteger(ValueError):
     def __init__(self, digits: int) -> None:
         super().__init__(digits)
@@ -64,6 +70,10 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidInput(
             f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
+    except _RepeatedKey as exc:
+        raise InvalidInput(
+            f"field {_shown_key(exc.key)} is given twice; send each field once"
+        ) from None
     except _LongInteger as exc:
         # harga is the only number a product has.
         raise InvalidInput(
@@ -84,6 +94,25 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # JSON leaves a repeated name to the parser (RFC 8259, 4): json keeps the
+    # last, another reader of the same body (a proxy, a log) may take the
+    # first. Refused, as a header or query parameter given twice is.
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _RepeatedKey(key)
+            seen.add(key)
+    return obj
+
+
+def _shown_key(key: str) -> str:
+    # A client's key, echoed: quoted, and cut short if it is long.
+    return repr(key if len(key) <= 40 else f"{key[:30]}...")
+
+
 def _parse_int(text: str) -> int:
     digits = len(text.lstrip("-"))
     if digits > JSON_INT_DIGITS_MAX:
@@ -92,7 +121,9 @@ def _parse_int(text: str) -> int:
 
 
 # One decoder for every request: json.loads with options builds a new one each call.
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_int=_parse_int)
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_object, parse_constant=_reject_constant, parse_int=_parse_int
+)
 
 
 def validate_new_product(data: Mapping[str, Any]) -> tuple[str, int]:

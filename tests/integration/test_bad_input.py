@@ -108,6 +108,12 @@ CASES = [
     Case("empty-object", 400, b"{}"),
     Case("unknown-field", 400, _body({"nama": "Kopi", "harga": 1, "stok": 3})),
     Case("id-field", 400, _body({"id": 7, "nama": "Kopi", "harga": 1})),
+    Case(
+        "nama-twice",
+        400,
+        b'{"nama": "Kopi", "harga": 1, "nama": "Teh"}',
+        says="field 'nama' is given twice",
+    ),
     # Content-Type.
     Case(
         "text-plain",

@@ -65,6 +65,13 @@ def test_invalid_products_say_what_is_wrong(data: dict[str, Any], fragment: str)
         (b'"text"', "not a string"),
         (b'{"harga": NaN}', "^body is not valid JSON: NaN is not a JSON number$"),
         (b'\xef\xbb\xbf{"nama": "a", "harga": 1}', "byte order mark"),
+        # json alone keeps the last: this would be stored as "b".
+        (
+            b'{"nama": "a", "harga": 1, "nama": "b"}',
+            r"^field 'nama' is given twice; send each field once$",
+        ),
+        (b'{"harga": 1, "harga": 1}', r"^field 'harga' is given twice"),
+        (b'{"x": {"' + b"k" * 50 + b'": 1, "' + b"k" * 50 + b'": 2}}', r"^field 'k{30}\.\.\.' is"),
         (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
         # int() refuses it with advice on sys.set_int_max_str_digits(): not ours to give.
         (
