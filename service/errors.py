@@ -13,16 +13,13 @@ from aiohttp.web_request import BaseRequest
 from service.keys import SETTINGS
 from service.logs import Throttle
 from service.store.base import StoreError
-from service.validation import InvalidInput
+from service.validation import InvalidInput, shortened
 
 log = logging.getLogger("toko.http")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Every request fails alike while the store is down: log a sample, not each.
 _STORE_FAILURES = Throttle()
-# What of the client's own input an error message repeats: a path or a header
-# may be 8 KB, and a message that long is not read.
-ECHO_MAX = 100
 
 
 def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -31,13 +28,6 @@ def json_error(status: int, message: str, headers: dict[str, str] | None = None)
 
 def body_too_large(limit: int) -> str:
     return f"request body too large; the limit is {limit} bytes"
-
-
-def shortened(text: str) -> str:
-    """``text`` as an error message repeats it: whole when short, else its start."""
-    if len(text) <= ECHO_MAX:
-        return text
-    return f"{text[: ECHO_MAX // 2]}... ({len(text)} characters)"
 
 
 def _http_error_message(request: web.Request, exc: web.HTTPException) -> str:

@@ -20,6 +20,9 @@ ID_MAX = 2**63 - 1
 # body is refused as such, not echoed back or left to int()'s own message.
 JSON_INT_DIGITS_MAX = 40
 PRODUCT_FIELDS = frozenset({"nama", "harga"})
+# What of the client's own input an error message repeats: a path or a header
+# may be 8 KB, and a message that long is not read.
+ECHO_MAX = 100
 # Control characters (C0, DEL, C1), the line and paragraph separators, and
 # lone surrogates (what a stray \uD800 escape decodes to): none belongs in a
 # one-line name, an email subject or a shop page.
@@ -72,7 +75,7 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         ) from None
     except _RepeatedKey as exc:
         raise InvalidInput(
-            f"field {_shown_key(exc.key)} is given twice; send each field once"
+            f"field {shortened(exc.key)!r} is given twice; send each field once"
         ) from None
     except _LongInteger as exc:
         # harga is the only number a product has.
@@ -108,9 +111,11 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
-def _shown_key(key: str) -> str:
-    # A client's key, echoed: quoted, and cut short if it is long.
-    return repr(key if len(key) <= 40 else f"{key[:30]}...")
+def shortened(text: str) -> str:
+    """``text`` as an error message repeats it: whole when short, else its start."""
+    if len(text) <= ECHO_MAX:
+        return text
+    return f"{text[: ECHO_MAX // 2]}... ({len(text)} characters)"
 
 
 def _parse_int(text: str) -> int:
