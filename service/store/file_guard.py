@@ -111,7 +111,17 @@ class FileGuard:
 
     def _wal_gone(self, conn: sqlite3.Connection, now: tuple[int, int] | None) -> DatabaseFileGone:
         what = "deleted" if now is None else "replaced"
-        if _checkpointed(conn):
+        checkpointed = _checkpointed(conn)
+        # `rm toko.db*` unlinks the database too, perhaps between check()'s two
+        # looks or during the checkpoint: then what was folded in is gone with
+        # it, and only a copy keeps it. So look at the database once more.
+        try:
+            database = file_identity(self.path)
+        except OSError:
+            database = self._identity  # cannot tell: as check() does, assume it is there
+        if database != self._identity:
+            return self._file_gone(conn, database)
+        if checkpointed:
             self.restart_heals = True
             log.critical(
                 "database write-ahead log %s while running: everything stored until now is"

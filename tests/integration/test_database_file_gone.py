@@ -61,8 +61,13 @@ async def assert_refusing(session: aiohttp.ClientSession, svc: ServiceProcess) -
 
 
 def remove_database(folder: Path) -> None:
-    """rm toko.db toko.db-wal toko.db-shm (the instance lock stays)."""
-    for path in folder.glob("toko.db*"):
+    """rm toko.db toko.db-shm toko.db-wal, in that order (the instance lock stays).
+
+    The order a shell's ``rm toko.db*`` takes. In another (``rm toko.db-wal
+    toko.db``) a commit between the two unlinks finds the log gone first; that
+    moment is tested in tests/unit/test_file_guard.py.
+    """
+    for path in sorted(folder.glob("toko.db*")):
         if not path.name.endswith(".lock"):
             path.unlink()
 
