@@ -53,6 +53,15 @@ def insert(conn: sqlite3.Connection, guard: FileGuard, nama: str) -> None:
     guard.check(conn)
 
 
+def guard_after_log_deleted(database: Path, conn: sqlite3.Connection) -> FileGuard:
+    """A guard that has seen one commit, and then ``rm toko.db-wal``."""
+    guard = FileGuard(str(database))
+    guard.opened(conn)
+    insert(conn, guard, "Kopi")
+    Path(f"{database}-wal").unlink()
+    return guard
+
+
 def names(path: Path) -> list[str]:
     with closing(sqlite3.connect(path)) as other:
         return [row[0] for row in other.execute("SELECT nama FROM products ORDER BY rowid")]
@@ -61,10 +70,7 @@ def names(path: Path) -> list[str]:
 def test_a_deleted_log_alone_is_folded_into_the_database(
     database: Path, conn: UnlinksDuringCheckpoint
 ) -> None:
-    guard = FileGuard(str(database))
-    guard.opened(conn)
-    insert(conn, guard, "Kopi")
-    Path(f"{database}-wal").unlink()
+    guard = guard_after_log_deleted(database, conn)
 
     with pytest.raises(DatabaseFileGone, match="write-ahead log"):
         insert(conn, guard, "Teh")
@@ -76,10 +82,7 @@ def test_a_deleted_log_alone_is_folded_into_the_database(
 def test_the_database_deleted_right_after_its_log_is_saved_beside_it(
     database: Path, conn: UnlinksDuringCheckpoint
 ) -> None:
-    guard = FileGuard(str(database))
-    guard.opened(conn)
-    insert(conn, guard, "Kopi")
-    Path(f"{database}-wal").unlink()
+    guard = guard_after_log_deleted(database, conn)
     conn.victim = database  # the rm's next unlink lands while the log is folded in
 
     with pytest.raises(DatabaseFileGone, match="database file"):
