@@ -76,7 +76,7 @@ async def serve(settings: Settings, stop_asked: Callable[[], bool] = _not_asked)
     logging.getLogger("aiohttp.server").addFilter(ClientProtocolErrors())
     if not await _set_up_unless_stopped(runner, stop):
         notifier.stopping("stopping: asked to stop during start-up")
-        notifier.close()
+        await notifier.aclose()
         log.info("start-up stopped: asked to stop before ready")
         return
     side_tasks: list[asyncio.Task[None]] = []
@@ -128,7 +128,7 @@ async def serve(settings: Settings, stop_asked: Callable[[], bool] = _not_asked)
         await asyncio.gather(*side_tasks, return_exceptions=True)
         await stop_accepting(app, runner, sockets)
         await runner.cleanup()  # drains requests, then jobs, then closes the store
-        notifier.close()
+        await notifier.aclose()
     log.info("stopped")
 
 

@@ -15,10 +15,16 @@ Optional ``hooks`` run in that thread *before* the datagram is recorded (and
 so before any waiter wakes): this is where a test checks something at the very
 moment a message arrives, e.g. that the service's port already accepts
 connections when READY=1 comes.
+
+:meth:`NotifyListener.away` makes it stop reading, as a PID 1 that is busy or
+stuck, with the socket's queue full (of other programs' messages) from that
+moment; :meth:`NotifyListener.back` reads again. ``hooks=[away_after_ready]``
+goes away the moment READY=1 arrives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import select
 import shutil
 import socket
@@ -52,6 +58,8 @@ Hook = Callable[[Notification], None]
 # each datagram then carries the CLOCK_REALTIME moment the kernel queued it, as
 # a struct timespec (two longs).
 SO_TIMESTAMPNS = 35
+# What NotifyListener.fill() queues, standing in for other services' messages.
+FILLER = "X_TEST_FILLER=1"
 TIMESPEC = struct.Struct("@qq")
 
 
@@ -69,6 +77,7 @@ class NotifyListener:
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread: threading.Thread | None = None
         self._flushes = 0
+        self._reading = True  # changed by away()/back(), read by the thread
 
     def start(self) -> NotifyListener:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -80,6 +89,39 @@ class NotifyListener:
         self._thread = threading.Thread(target=self._run, name="notify-listener", daemon=True)
         self._thread.start()
         return self
+
+    def away(self) -> int:
+        """Stop reading, with the queue full from now on: everything the service
+        sends finds no room until back(). How many fillers that took."""
+        self._reading = False
+        self._wake_w.send(b"p")
+        return self.fill()
+
+    def back(self) -> float:
+        """Read again (the fillers first); the moment, on the time.monotonic() scale."""
+        at = time.monotonic()
+        self._reading = True
+        self._wake_w.send(b"p")
+        return at
+
+    def fill(self) -> int:
+        """Fill the socket's queue with other programs' messages (``X_TEST_FILLER=1``)."""
+        sent = 0
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as other_program:
+            other_program.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    other_program.sendto(FILLER.encode(), self.path)
+                    sent += 1
+        return sent
+
+    def service_messages(self, since: float = 0.0) -> list[Notification]:
+        """What the service sent, arrived at/after ``since``: no fillers or flush tokens."""
+        return [
+            n
+            for n in self.log.snapshot()
+            if n.at >= since and n.raw != FILLER and not n.raw.startswith("X_TEST_FLUSH=")
+        ]
 
     def stop(self) -> None:
         if self._thread is not None:
@@ -107,9 +149,12 @@ class NotifyListener:
     def _run(self) -> None:
         assert self._sock is not None
         while True:
-            readable, _, _ = select.select([self._sock, self._wake_r], [], [])
+            watched = [self._sock, self._wake_r] if self._reading else [self._wake_r]
+            readable, _, _ = select.select(watched, [], [])
             if self._wake_r in readable:
-                return
+                if self._wake_r.recv(1) == b"x":
+                    return
+                continue
             data, ancillary, _, _ = self._sock.recvmsg(65536, socket.CMSG_SPACE(TIMESPEC.size))
             at = _queued_at(ancillary)
             text = data.decode("utf-8", errors="replace")
@@ -175,6 +220,16 @@ class NotifyListener:
         return await self.log.async_wait_for(_match(key, value, since), timeout, _what(key, value))
 
 
+def away_after_ready(listener: NotifyListener) -> Hook:
+    """A hook: ``listener`` goes away the moment READY=1 arrives."""
+
+    def hook(note: Notification) -> None:
+        if note.get("READY") == "1":
+            listener.away()
+
+    return hook
+
+
 def _queued_at(ancillary: list[tuple[int, int, bytes]]) -> float:
     """When the kernel queued a datagram, on the time.monotonic() scale (now
     if it did not say)."""
@@ -210,4 +265,4 @@ def send(path: str, message: str) -> None:
         s.send(message.encode())
 
 
-__all__ = ["Notification", "NotifyListener", "send"]
+__all__ = ["Notification", "NotifyListener", "away_after_ready", "send"]

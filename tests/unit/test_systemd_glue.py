@@ -32,13 +32,15 @@ def notified(
     return Notifier(path), sock
 
 
-def test_notifier_sends_ready_watchdog_stopping(notified: tuple[Notifier, socket.socket]) -> None:
+async def test_notifier_sends_ready_watchdog_stopping(
+    notified: tuple[Notifier, socket.socket],
+) -> None:
     notifier, sock = notified
     notifier.ready("pending=0")
     notifier.watchdog()
     notifier.extend_timeout(3, "draining")
     notifier.stopping("bye")
-    notifier.close()
+    await notifier.aclose()
     received = [sock.recv(4096).decode() for _ in range(4)]
     assert received == [
         "READY=1\nSTATUS=pending=0",
@@ -48,7 +50,7 @@ def test_notifier_sends_ready_watchdog_stopping(notified: tuple[Notifier, socket
     ]
 
 
-def test_a_status_in_any_script_arrives_as_utf8_with_its_ready(
+async def test_a_status_in_any_script_arrives_as_utf8_with_its_ready(
     notified: tuple[Notifier, socket.socket],
 ) -> None:
     # sdnotify's own notify() encodes Latin-1: Cyrillic lost the whole
@@ -57,25 +59,25 @@ def test_a_status_in_any_script_arrives_as_utf8_with_its_ready(
     for status in ("cannot write: /srv/данные/toko.db", "cannot write: /srv/café/toko.db"):
         notifier.ready(status)
         assert sock.recv(4096) == f"READY=1\nSTATUS={status}".encode()
-    notifier.close()
+    await notifier.aclose()
 
 
-def test_a_status_with_line_breaks_is_one_assignment(
+async def test_a_status_with_line_breaks_is_one_assignment(
     notified: tuple[Notifier, socket.socket],
 ) -> None:
     # A store error's text goes into STATUS=; a line break in it started
     # another assignment of the notify message.
     notifier, sock = notified
     notifier.status("store unavailable: failed\nWATCHDOG=1\r\ndetail")
-    notifier.close()
+    await notifier.aclose()
     assert sock.recv(4096) == b"STATUS=store unavailable: failed WATCHDOG=1 detail"
 
 
-def test_notifier_is_a_no_op_outside_systemd() -> None:
+async def test_notifier_is_a_no_op_outside_systemd() -> None:
     notifier = Notifier(None)
     assert not notifier.enabled
     notifier.ready("x")  # must not raise
-    notifier.close()
+    await notifier.aclose()
 
 
 def test_json_lines_carry_structured_fields() -> None:
