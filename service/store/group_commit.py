@@ -20,6 +20,10 @@ Should the thread itself end (a ``BaseException``, which nothing in toko
 raises), every write fails at once and ``on_death(exc)`` is called, on the
 writer thread, so that the process can stop and systemd restart it.
 
+``upkeep``, if given, hears of each commit (``committed()``) and may use the
+connection once a batch is answered (``between_batches(conn)``): the log's
+checkpoints (service.store.checkpoints).
+
 An optional ``verify(conn)`` runs after each commit. Once it raises a
 ``sqlite3.Error``, the writes of that batch and of every later one fail with
 it: the writer refuses for good (the SQLite file was deleted, say).
@@ -36,7 +40,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from service.logs import Throttle
 
@@ -47,6 +51,11 @@ log = logging.getLogger("toko.store")
 
 # Upper bound on one batch so a flood cannot hold the write lock for long.
 MAX_BATCH = 512
+
+
+class Upkeep(Protocol):
+    def committed(self) -> None: ...
+    def between_batches(self, conn: sqlite3.Connection) -> None: ...
 
 
 @dataclass
@@ -73,8 +82,10 @@ class GroupCommitWriter:
         connect: Callable[[], sqlite3.Connection],
         verify: Callable[[sqlite3.Connection], None] | None = None,
         on_death: Callable[[BaseException], None] | None = None,
+        upkeep: Upkeep | None = None,
     ) -> None:
         self._connect = connect
+        self._upkeep = upkeep
         self._verify = verify
         self._on_death = on_death
         self._refused: sqlite3.Error | None = None  # what verify raised, for good
@@ -145,6 +156,8 @@ class GroupCommitWriter:
                 ops = [op for op in batch if isinstance(op, _Op)]
                 self._commit_or_fail(conn, ops)
                 ops = []
+                if self._upkeep is not None:
+                    self._upkeep.between_batches(conn)
         except BaseException as exc:  # to the journal; threading would only print it to stderr
             log.critical("SQLite writer thread died", exc_info=True)
             died = exc
@@ -197,6 +210,8 @@ class GroupCommitWriter:
             results: list[_Result] = [(op, None, _fresh(self._refused)) for op in batch]
         else:
             results = self._run_batch(conn, batch)
+            if self._upkeep is not None:
+                self._upkeep.committed()
             self._refused = self._refusal(conn)
             if self._refused is not None:  # committed, but not where it counts
                 results = [(op, None, err or _fresh(self._refused)) for op, _, err in results]

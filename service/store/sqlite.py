@@ -40,6 +40,7 @@ from service.store.base import (
     note_lost_claims,
     without_abandoned,
 )
+from service.store.checkpoints import LIMIT_BYTES, Checkpointer
 from service.store.file_guard import FileGuard
 from service.store.group_commit import BatchFn, GroupCommitWriter
 from service.store.migrations import migrate
@@ -153,8 +154,12 @@ class SqliteStore:
         self.path = path
         self._clock = clock
         self._file_guard = FileGuard(path)
+        self._checkpointer = Checkpointer(self._connect_checkpointer)
         self._writer = GroupCommitWriter(
-            self._connect_writer, self._file_guard.check, on_death=self._writer_died
+            self._connect_writer,
+            self._file_guard.check,
+            on_death=self._writer_died,
+            upkeep=self._checkpointer,
         )
         # Set (from the writer thread) if the writer dies: see wait_broken().
         self._broken: asyncio.Future[None] | None = None
@@ -178,6 +183,7 @@ class SqliteStore:
         try:
             await asyncio.to_thread(self._prepare, cancelled)
             self._writer.start()
+            await asyncio.to_thread(self._checkpointer.start)
             await asyncio.to_thread(self._open_readers)
         except (OSError, sqlite3.Error, RuntimeError) as exc:
             await self.close()
@@ -209,10 +215,20 @@ class SqliteStore:
 
     def _connect_writer(self) -> sqlite3.Connection:
         conn = connect(self.path)
+        # Checkpoints are the Checkpointer's, off the commit path; after a
+        # long log the file is cut back once it starts over.
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
+        conn.execute(f"PRAGMA journal_size_limit = {LIMIT_BYTES}")
         self._file_guard.opened(conn)
         return conn
 
+    def _connect_checkpointer(self) -> sqlite3.Connection:
+        conn = connect(self.path)
+        conn.execute("PRAGMA wal_autocheckpoint = 0")  # it never commits, but say so
+        return conn
+
     async def close(self) -> None:
+        await asyncio.to_thread(self._checkpointer.stop)
         await asyncio.to_thread(self._writer.stop)
         if self._broken is not None and self._broken.done():
             self._broken.exception()  # wait_broken() told whoever asked; nobody else will

@@ -17,11 +17,13 @@ complete. A restore keeps the database it replaces, synced before the swap.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
 import aiohttp
 
+from service.store.checkpoints import FINISH_AT_PAGES
 from service.store.sqlite import SqliteStore
 from service.tasks import product_email_job
 from tests.conftest import ServiceFactory
@@ -36,6 +38,9 @@ SOCKET_CALLS = ("recvfrom", "recvmsg", "sendto", "sendmsg")
 FILE_IO = ("pread64", "pwrite64", "read", "write", "openat", "ftruncate")
 RENAMES = ("rename", "renameat", "renameat2")
 POSTS = 4
+# Enough for several checkpoint rounds: each commit adds a few pages of log.
+CHECKPOINT_POSTS = 4000
+CHECKPOINT_CLIENTS = 8
 TOKO_BACKUP = str(Path(sys.executable).parent / "toko-backup")
 
 
@@ -174,3 +179,40 @@ async def test_a_restore_keeps_the_previous_database_on_disk_before_replacing_it
     assert any(i > renamed for i in synced(calls, tmp_path)), (
         f"the database's folder was not synced after the rename at {renamed}:\n{trace}"
     )
+
+
+async def test_checkpoints_sync_the_database_file_off_the_commit_path_and_the_log_stays_bounded(
+    service_factory: ServiceFactory, tmp_path: Path
+) -> None:
+    # SQLite's own checkpoint ran inside the commit that crossed 1,000 pages of
+    # log: that batch's requests waited for the copy and the database file's
+    # sync. Now a thread of its own syncs it; the writer only finishes a round.
+    svc = service_factory().start()
+    await svc.async_wait_ready(timeout=20)
+    database, wal = Path(svc.database), Path(f"{svc.database}-wal")
+    wal_sizes: list[int] = []
+
+    async def post(session: aiohttp.ClientSession, client: int) -> None:
+        for n in range(CHECKPOINT_POSTS // CHECKPOINT_CLIENTS):
+            body = {"nama": f"Barang {client}-{n}", "harga": n}
+            async with session.post(svc.url("/produk"), json=body) as resp:
+                assert resp.status == 201, await resp.text()
+            wal_sizes.append(os.path.getsize(wal))  # noqa: ASYNC240 (a stat, microseconds)
+
+    async with (
+        traced(svc.pid, tmp_path / "strace.log", SYNCS) as calls,
+        aiohttp.ClientSession() as session,
+    ):
+        await asyncio.gather(*(post(session, c) for c in range(CHECKPOINT_CLIENTS)))
+
+    wal_synced = synced(calls, wal)
+    db_synced = synced(calls, database)
+    writer = calls[wal_synced[0]].tid  # the one thread that commits
+    by_writer = [i for i in db_synced if calls[i].tid == writer]
+    off_path = [i for i in db_synced if calls[i].tid != writer]
+    trace = numbered(calls, set(db_synced))
+    assert off_path, f"no thread but the writer synced the database file:\n{trace}"
+    # At most one finish (a small copy and a sync) per round of the thread.
+    assert len(by_writer) <= len(off_path) + 1, trace
+    # The log starts over: without that, these posts write some 60 MB of it.
+    assert max(wal_sizes) <= 4 * FINISH_AT_PAGES * 4096, max(wal_sizes)
