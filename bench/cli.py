@@ -20,8 +20,10 @@ from typing import Any
 
 from bench import (
     compare,
+    loadgen,
     report,
     scenario_backlog,
+    scenario_disk,
     scenario_postgres,
     scenario_queue,
     scenario_startup,
@@ -31,7 +33,7 @@ from bench import (
 from bench.procs import REPO, fsync_probe, install_sigterm_as_interrupt, venv_bin
 from bench.toko import TokoCommand, snapshot
 
-SCENARIOS = ("throughput", "backlog", "startup", "postgres", "queue", "tutorial")
+SCENARIOS = ("throughput", "backlog", "startup", "postgres", "queue", "tutorial", "disk")
 ALIASES = {
     "a": "throughput",
     "b": "backlog",
@@ -39,8 +41,16 @@ ALIASES = {
     "d": "postgres",
     "e": "queue",
     "f": "tutorial",
+    "g": "disk",
     "all": "all",
 }
+
+
+def _floats(value: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in value.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"comma-separated numbers, got {value!r}") from exc
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,7 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "drained, beside SQLite; (e) queue: toko's queue against arq (Redis) and "
             "procrastinate (PostgreSQL): drains, enqueue-to-start latency, peak RSS; "
             "(f) tutorial: the tutorial's Go program against toko-api under the same load, "
-            "plotted to docs/tutorial-latency.png."
+            "plotted to docs/tutorial-latency.png; (g) disk: open-loop POSTs at 1,000 then "
+            "2,000/s for 60 s each, 2 s emails, SQLite on the real disk then PostgreSQL, per 5 s "
+            "window with the WAL's size and an fsync probe."
         ),
         epilog=(
             "Results: a table on stdout, bench/results/<timestamp>.json and "
@@ -67,7 +79,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--scenario",
         action="append",
         choices=[*SCENARIOS, *ALIASES],
-        help="scenario to run (repeatable; a-f as short names; default: all)",
+        help="scenario to run (repeatable; a-g as short names; default: all)",
     )
     p.add_argument(
         "--smoke",
@@ -139,8 +151,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g = p.add_argument_group("(b) backlog")
     g.add_argument("--rate", type=float, default=500.0, help="offered POSTs per second")
     g.add_argument("--load-duration", type=float, help="seconds of load (default 30)")
-    g.add_argument("--email-delay", type=float, default=2.0, help="SMTP seconds per email")
-    g.add_argument("--workers", type=int, default=3, help="TOKO_WORKERS")
+    g.add_argument(
+        "--email-delay", type=float, default=2.0, help="SMTP seconds per email (b and g)"
+    )
+    g.add_argument("--workers", type=int, default=3, help="TOKO_WORKERS (b and g)")
     g.add_argument("--p99-target", type=float, default=20.0, help="ms")
     g.add_argument(
         "--full-drain",
@@ -157,6 +171,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(scenario_queue.ALL_SYSTEMS),
         help="comma-separated systems (default: %(default)s)",
     )
+    g = p.add_argument_group("(g) disk")
+    g.add_argument(
+        "--disk-rates",
+        type=_floats,
+        metavar="R,R",
+        help="offered POSTs per second, one run each (default 1000,2000; smoke 200,400)",
+    )
+    g.add_argument("--disk-duration", type=float, help="seconds per rate (default 60; smoke 5)")
+    g.add_argument("--disk-window", type=float, default=5.0, help="seconds per window")
+    g.add_argument(
+        "--disk-backends",
+        type=lambda v: tuple(v.split(",")),
+        default=scenario_disk.BACKENDS,
+        metavar="B,B",
+        help="sqlite and/or postgres (default: both)",
+    )
+    g.add_argument(
+        "--disk-generators",
+        type=int,
+        default=1,
+        help="load generator processes sharing the schedule (default 1)",
+    )
+    g.add_argument(
+        "--disk-client",
+        choices=loadgen.CLIENTS,
+        default="raw",
+        help="the generator's HTTP client (default raw: bench.rawhttp, a third less CPU)",
+    )
+    g.add_argument(
+        "--disk-p99-targets",
+        type=_floats,
+        default=(5.0, 20.0),
+        metavar="MS,MS",
+        help="p99 target per window, one per rate, the last repeated (default 5,20)",
+    )
+    g.add_argument("--disk-max-target", type=float, default=100.0, help="ms no request may exceed")
     g = p.add_argument_group("(c) startup")
     g.add_argument("--starts", type=int, help="starts to take the median of (default 5)")
     g.add_argument("--idle", type=float, help="idle seconds before reading RSS (default 2)")
@@ -331,6 +381,29 @@ def main(argv: list[str] | None = None) -> int:
                             toko, go_cache_dir=results_dir / ".go-cache"
                         )
                     results[name] = scenario_tutorial.run(tcfg, workdir / name)
+                elif name == "disk":
+                    overrides: dict[str, Any] = {
+                        "backends": args.disk_backends,
+                        "window_s": args.disk_window,
+                        "email_delay_s": args.email_delay,
+                        "workers": args.workers,
+                        "generators": args.disk_generators,
+                        "client": args.disk_client,
+                        "p99_targets_ms": args.disk_p99_targets,
+                        "max_target_ms": args.disk_max_target,
+                        "quiet_below_pct": args.quiet_below or float("inf"),
+                        "quiet_max_wait_s": args.quiet_max_wait,
+                    }
+                    if args.disk_rates:
+                        overrides["rates"] = args.disk_rates
+                    if args.disk_duration:
+                        overrides["duration_s"] = args.disk_duration
+                    dcfg = (
+                        scenario_disk.DiskConfig.smoke(toko, **overrides)
+                        if args.smoke
+                        else scenario_disk.DiskConfig(toko=toko, **overrides)
+                    )
+                    results[name] = scenario_disk.run(dcfg, workdir / name)
                 else:
                     results[name] = scenario_startup.run(
                         scenario_startup.StartupConfig(
@@ -360,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                     path.unlink(missing_ok=True)
     missed = [
         n
-        for n in ("throughput", "backlog", "postgres", "queue")
+        for n in ("throughput", "backlog", "postgres", "queue", "disk")
         if n in results
         and not (results[n]["summary"]["met"] if n == "throughput" else results[n]["met"])
     ]

@@ -24,13 +24,17 @@ import asyncio
 import contextlib
 import gc
 import json
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
+from bench.rawhttp import HttpError, Pool
 from bench.stats import percentile
+
+CLIENTS = ("aiohttp", "raw")
 
 
 @dataclass
@@ -145,6 +149,30 @@ async def _one(
     sample.finished = loop.time() - t0
 
 
+async def _one_raw(pool: Pool, url: URL, sample: Sample, t0: float, token: str) -> None:
+    """``_one`` through ``bench.rawhttp``: the same request, a fraction of the client's CPU."""
+    loop = asyncio.get_running_loop()
+    sample.started = loop.time() - t0
+    body = json.dumps(
+        {"nama": f"bench-{token}-{sample.index}", "harga": 1000 + sample.index}
+    ).encode()
+    head = (
+        f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {url.raw_authority}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    try:
+        status, raw = await pool.request(head.encode() + body)
+        sample.status = status
+        if status == 201:
+            try:
+                sample.product_id = int(json.loads(raw)["id"])
+            except (ValueError, KeyError, TypeError):
+                sample.error = "201 without a product id"
+    except (HttpError, TimeoutError) as exc:
+        sample.error = type(exc).__name__
+    sample.finished = loop.time() - t0
+
+
 async def open_loop(
     url: str,
     *,
@@ -153,11 +181,25 @@ async def open_loop(
     token: str,
     max_connections: int = 256,
     request_timeout_s: float = 10.0,
+    part: tuple[int, int] = (0, 1),
+    start_at: float | None = None,
+    client: str = "aiohttp",
 ) -> OpenLoopResult:
-    """Send ``rate * duration_s`` POSTs on a fixed schedule; see the module docstring."""
+    """Send ``rate * duration_s`` POSTs on a fixed schedule; see the module docstring.
+
+    ``part=(k, n)`` sends only requests ``i`` with ``i % n == k``, and ``start_at``
+    (a ``time.monotonic()`` instant, shared by every part) is the schedule's t0:
+    so ``n`` processes can offer one schedule between them (``bench.loadgen_split``).
+    ``client="raw"`` sends through ``bench.rawhttp`` instead of aiohttp's client.
+    """
     total = int(rate * duration_s)
+    k, n = part
+    if not 0 <= k < n:
+        raise ValueError(f"part {k} of {n}")
+    if client not in CLIENTS:
+        raise ValueError(f"client {client!r} is not one of {CLIENTS}")
     result = OpenLoopResult(rate=rate, duration_s=duration_s)
-    samples = [Sample(i, i / rate) for i in range(total)]
+    samples = [Sample(i, i / rate) for i in range(k, total, n)]
     result.samples = samples
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
     connector = aiohttp.TCPConnector(limit=max_connections, force_close=False)
@@ -169,19 +211,30 @@ async def open_loop(
     gc.freeze()
     try:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            t0 = loop.time()
+            t0 = loop.time() if start_at is None else start_at
             result.t0_monotonic = t0
+            parsed = URL(url)
+            pool = Pool(
+                parsed.host or "127.0.0.1", parsed.port or 80, max_connections, request_timeout_s
+            )
+
+            def send(sample: Sample) -> Coroutine[Any, Any, None]:
+                if client == "raw":
+                    return _one_raw(pool, parsed, sample, t0, token)
+                return _one(session, url, sample, t0, token)
+
             nxt = 0
-            while nxt < total:
+            mine = len(samples)
+            while nxt < mine:
                 now = loop.time() - t0
                 # Launch everything due by now: catching up keeps the schedule
                 # open-loop even when the generator slept too long.
-                while nxt < total and samples[nxt].scheduled <= now:
-                    task = asyncio.create_task(_one(session, url, samples[nxt], t0, token))
+                while nxt < mine and samples[nxt].scheduled <= now:
+                    task = asyncio.create_task(send(samples[nxt]))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                     nxt += 1
-                if nxt < total:
+                if nxt < mine:
                     await asyncio.sleep(max(0.0, samples[nxt].scheduled - (loop.time() - t0)))
             if tasks:
                 _, pending = await asyncio.wait(set(tasks), timeout=request_timeout_s + 5)
@@ -191,6 +244,7 @@ async def open_loop(
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
             result.wall_s = loop.time() - t0
+            pool.close()
     finally:
         gc.unfreeze()
         for task in tasks:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import scenario_postgres, scenario_queue, scenario_tutorial
+from bench import scenario_disk, scenario_postgres, scenario_queue, scenario_tutorial
 from bench.stats import Spread, fmt_spread, spread
 
 
@@ -131,6 +131,8 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         out += scenario_queue.report_rows(results["queue"])
     if results.get("tutorial"):
         out += scenario_tutorial.report_rows(results["tutorial"])
+    if results.get("disk"):
+        out += scenario_disk.report_rows(results["disk"])
     return out
 
 
@@ -198,8 +200,10 @@ def markdown(results: dict[str, Any]) -> str:
         ]
     if results.get("queue"):
         out += scenario_queue.markdown(results["queue"])
-    # (a) and (e) have tables of their own above.
-    rest = [r for r in rows(results) if not r[0].startswith(("(a)", "(e)"))]
+    if results.get("disk"):
+        out += scenario_disk.markdown(results["disk"])
+    # (a), (e) and (g) have tables of their own above.
+    rest = [r for r in rows(results) if not r[0].startswith(("(a)", "(e)", "(g)"))]
     if rest:
         out += ["| Scenario | Measure | Value | Target |", "|---|---|---|---|"]
         for r in rest:

@@ -2,7 +2,8 @@
 # Install or upgrade toko as systemd services on Debian 12 or later:
 #   sudo make install        (from a checkout)
 # Installs the build packages it needs, the system user toko, a virtualenv in
-# /opt/toko/venv with this checkout, the units, /etc/toko/toko.env and the API
+# /opt/toko/venv with this checkout, the units (and the sandbox they share,
+# toko-.service.d/00-hardening.conf), /etc/toko/toko.env and the API
 # token /etc/toko/api-token (both only when missing, or the token when empty;
 # synced to disk), and on the first install enables and starts toko-api.socket,
 # toko-api.service and both timers. Running it again upgrades in place, keeps
@@ -24,6 +25,9 @@ USER_NAME=toko
 APT_PACKAGES="python3-venv python3-dev libsystemd-dev pkg-config gcc"
 UNITS="toko-api.socket toko-api.service toko-recap.service toko-recap.timer toko-backup.service toko-backup.timer toko-alert@.service"
 ENABLED="toko-api.socket toko-api.service toko-recap.timer toko-backup.timer"
+# The sandbox of every toko-*.service, one drop-in for all (the file says why).
+# Installed before the units: an upgrade never has new units without it.
+DROP_INS="toko-.service.d/00-hardening.conf"
 # Present from the first install until its units are enabled (see below).
 ENABLE_PENDING=$PREFIX/enable-units
 
@@ -99,8 +103,9 @@ if [ ! -e "$UNIT_DIR/toko-api.service" ]; then
     : >"$ENABLE_PENDING"
 fi
 changed=""
-for unit in $UNITS; do
+for unit in $DROP_INS $UNITS; do
     if ! cmp -s "$SRC/deploy/systemd/$unit" "$UNIT_DIR/$unit"; then
+        install -d -m 0755 "$(dirname "$UNIT_DIR/$unit")"
         install -m 0644 "$SRC/deploy/systemd/$unit" "$UNIT_DIR/$unit"
         changed="$changed $unit"
     fi

@@ -1,11 +1,12 @@
 #!/bin/sh
 # Remove what deploy/install.sh installed, except the data:
 #   sudo make uninstall
-# Stops and disables the units, removes them, the virtualenv in /opt/toko and
-# an unchanged /etc/toko/toko.env. Keeps /var/lib/toko (database and backups),
-# an edited toko.env, the API token /etc/toko/api-token, admin drop-ins in
-# /etc/systemd/system/toko-*.d and the system user toko that owns the data, so
-# a later install picks them up again.
+# Stops and disables the units, removes them (with the sandbox drop-in they
+# share), the virtualenv in /opt/toko and an unchanged /etc/toko/toko.env.
+# Keeps /var/lib/toko (database and backups), an edited toko.env, the API
+# token /etc/toko/api-token, admin drop-ins in /etc/systemd/system/toko-*.d and
+# the system user toko that owns the data, so a later install picks them up
+# again.
 set -eu
 
 PREFIX=/opt/toko
@@ -14,6 +15,8 @@ CONF_DIR=/etc/toko
 DATA_DIR=/var/lib/toko
 UNITS="toko-api.socket toko-api.service toko-recap.service toko-recap.timer toko-backup.service toko-backup.timer toko-alert@.service"
 ENABLED="toko-api.socket toko-api.service toko-recap.timer toko-backup.timer"
+# The units' shared sandbox (deploy/systemd/toko-.service.d/), as install.sh has it.
+DROP_INS="toko-.service.d/00-hardening.conf"
 
 say() { echo "toko uninstall: $*"; }
 
@@ -36,12 +39,14 @@ if [ -d /run/systemd/system ]; then
 fi
 
 removed=""
-for unit in $UNITS; do
+for unit in $UNITS $DROP_INS; do
     if [ -e "$UNIT_DIR/$unit" ]; then
         rm -f "$UNIT_DIR/$unit"
         removed="$removed $unit"
     fi
 done
+# Its folder, unless something else is in it (not ours: kept).
+for dropin in $DROP_INS; do rmdir "$(dirname "$UNIT_DIR/$dropin")" 2>/dev/null || true; done
 say "removed units:${removed:- none}"
 if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 

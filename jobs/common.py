@@ -13,13 +13,8 @@ from types import FrameType
 
 from service import __version__
 from service.logs import setup_logging, stop_waiting_for_journald
-from service.settings import (
-    ConfigError,
-    Settings,
-    check_database_folder,
-    output_is_journal,
-    user_name,
-)
+from service.settings import ConfigError, Settings, output_is_journal
+from service.settings_checks import check_database_folder, user_name
 
 # How long a job's exit waits for a journald that does not read (stopped,
 # restarting) to take its last lines. toko-api waits 2 s, inside its stop

@@ -1,6 +1,6 @@
 """``toko-backup`` on PostgreSQL: pg_dump custom-format backups, and restore.
 
-The same promises as the SQLite path (:mod:`jobs.backup`): a consistent copy
+The same promises as the SQLite path (:mod:`jobs.sqlite_backup`): a consistent copy
 taken while toko-api keeps writing (pg_dump reads one snapshot), verified
 before it is published (``pg_restore`` must read the whole archive, and its
 ``--list`` find the toko tables), published atomically with mode 0600, and
@@ -29,14 +29,7 @@ from typing import IO
 
 import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 
-from jobs.backup import (
-    PREFIX,
-    STOP_API,
-    backup_name,
-    print_backups,
-    publish_backup,
-    refuse_newer,
-)
+from jobs.backup_files import PREFIX, STOP_API, backup_name, publish_backup, refuse_newer
 from jobs.common import JobFailed
 from service.settings import Settings
 from service.store.disk import fsync_dir, fsync_file
@@ -297,29 +290,3 @@ def restore(
     kept_as = {} if kept is None else {"PREVIOUS": str(kept)}  # nothing there before: no field
     log.info("backup restored", extra={"PATH": str(source), **kept_as})
     return kept
-
-
-def backup_folder(settings: Settings) -> Path:
-    # The default beside the SQLite file means nothing for a URL.
-    if settings.backup_dir.startswith(("postgresql:", "postgres:")):
-        raise JobFailed(
-            "set TOKO_BACKUP_DIR (where backups go) when TOKO_DATABASE is a PostgreSQL URL"
-        )
-    return Path(settings.backup_dir)
-
-
-def run(list_only: bool, restore_file: str | None, settings: Settings) -> int:
-    folder = backup_folder(settings)
-    try:
-        if list_only:
-            print_backups(folder, SUFFIX)
-        elif restore_file:
-            kept = restore(settings, Path(restore_file), folder)
-            print(f"restored {restore_file} into {redact(settings.database)}")
-            if kept:
-                print(f"the previous contents are kept as {kept}")
-        else:
-            print(make_backup(settings, folder, settings.backup_keep))
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise JobFailed(str(exc)) from exc
-    return 0

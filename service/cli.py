@@ -11,40 +11,18 @@ from types import FrameType
 
 from service import __version__
 from service.logs import setup_logging
-from service.settings import ConfigError, Settings, check_database_folder, check_for_api
+from service.settings import ConfigError, Settings, check_for_api
+from service.settings_checks import check_database_folder
+from service.settings_doc import help_epilog
 from service.store.base import StoreError
 from service.store.lock import InstanceLock, InstanceLocked
-
-EPILOG = """\
-configuration comes from the environment (under systemd: /etc/toko/toko.env):
-  TOKO_LISTEN            host:port to listen on (default 127.0.0.1:8080)
-  TOKO_DATABASE          SQLite file (default $STATE_DIRECTORY/toko.db or ./var/toko.db)
-                         or a postgresql://user@host:port/db URL
-  TOKO_SMTP_URL          smtp://[user@]host[:port]; unset: emails go to the log
-  TOKO_ADMIN_EMAIL       who gets the emails, several separated by commas
-                         (default admin@toko.com)
-  TOKO_MAIL_FROM         sender address (default toko@localhost)
-  TOKO_WORKERS           concurrent job workers (default 3)
-  TOKO_JOB_MAX_ATTEMPTS  attempts before a job is kept as failed (default 20)
-  TOKO_JOB_BACKOFF       base seconds of the exponential retry backoff (default 2;
-                         with 20 attempts, 4.6 to 9 hours of retries)
-  TOKO_JOB_TIMEOUT       seconds one attempt may take (default 30)
-  TOKO_DRAIN_TIMEOUT     seconds running jobs get to finish on stop (default 10)
-  TOKO_CLIENT_TIMEOUT    seconds a client has to send a request, then its body (default 75)
-  TOKO_JOB_RETENTION     age after which toko-recap prunes done jobs (default 7d)
-  TOKO_LOG_LEVEL         debug, info, warning or error (default info)
-Secrets come from systemd credentials or files, never from the environment:
-  smtp-password  or TOKO_SMTP_PASSWORD_FILE      the SMTP password
-  db-password    or TOKO_DATABASE_PASSWORD_FILE  the PostgreSQL password
-  api-token      or TOKO_API_TOKEN_FILE          the token writes must carry
-"""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="toko-api",
         description="toko product API with a durable email job queue.",
-        epilog=EPILOG,
+        epilog=help_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

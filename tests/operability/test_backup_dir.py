@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import backup
+from jobs import sqlite_backup
 from tests.operability.cli import mount_tmpfs, padded_toko_database, partials, run
 
 
@@ -98,5 +98,5 @@ async def test_a_full_backup_disk_leaves_no_partial_copy_and_keeps_the_older_bac
         f"toko-backup: copying {database} into {small_disk} failed: database or disk is full"
     ]
     assert partials(small_disk) == []
-    assert backup.list_backups(small_disk) == [older]
+    assert sqlite_backup.list_backups(small_disk) == [older]
     assert older.read_bytes() == b"an older backup, small enough to fit"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import backup
+from jobs import sqlite_backup
 from tests.operability.cli import BIN, environment, freeze_mid_copy, padded_toko_database, partials
 
 
@@ -66,7 +66,7 @@ def test_sigterm_mid_copy_removes_the_partial_copy_and_fails(
     assert proc.returncode == 128 + signal.SIGTERM, (out, err)
     assert err.splitlines() == ["toko-backup: stopped by SIGTERM before it finished"]
     assert partials(folder) == []
-    assert backup.list_backups(folder) == []
+    assert sqlite_backup.list_backups(folder) == []
 
 
 def test_the_next_run_removes_the_partial_copy_of_a_killed_run(
@@ -87,7 +87,7 @@ def test_the_next_run_removes_the_partial_copy_of_a_killed_run(
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, (out, err)
     assert partials(folder) == []
-    assert len(backup.list_backups(folder)) == 1
+    assert len(sqlite_backup.list_backups(folder)) == 1
     assert all(path.read_text() == "mine" for path in others)
     removed = [line for line in out.splitlines() if "removed the partial copy" in line]
     assert len(removed) == len(left), out
@@ -112,5 +112,5 @@ def test_a_second_run_waits_for_the_first_and_leaves_its_copy_alone(
     for proc in (first, second):
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, (out, err)
-    assert len(backup.list_backups(folder)) == 2
+    assert len(sqlite_backup.list_backups(folder)) == 2
     assert partials(folder) == []

@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from jobs import backup, pg_backup
+from jobs import backup_files, pg_backup
 from jobs.common import JobFailed
 from service.models import Product
 from service.settings import Settings
@@ -175,7 +175,7 @@ async def test_backup_while_writing_restores_into_an_empty_database(
     (kept_line,) = [line for line in printed(done.stdout) if "kept as" in line]
     kept = Path(kept_line.rsplit(" ", 1)[1])
     assert kept.parent == backups and stat.S_IMODE(os.stat(kept).st_mode) == 0o600
-    assert kept not in backup.list_backups(backups, pg_backup.SUFFIX)  # never pruned
+    assert kept not in backup_files.list_backups(backups, pg_backup.SUFFIX)  # never pruned
     for url in (empty, second):
         await pg_cluster.async_drop_database(url)
 
@@ -304,13 +304,13 @@ async def test_backups_are_pruned_and_verified(
         renamed = path.with_name(f"toko-2026010{second}T000000Z.dump")
         path.rename(renamed)
         made.append(renamed)
-    backup.prune(folder, 2, pg_backup.SUFFIX)
-    assert backup.list_backups(folder, pg_backup.SUFFIX) == made[1:]
+    backup_files.prune(folder, 2, pg_backup.SUFFIX)
+    assert backup_files.list_backups(folder, pg_backup.SUFFIX) == made[1:]
     for path in made[1:]:
         await asyncio.to_thread(pg_backup.check_archive, settings, path)
     # A clock behind (2000-01-01) names the new backup oldest: it is kept all the same.
     late = await asyncio.to_thread(pg_backup.make_backup, settings, folder, 2, lambda: 946684800.0)
-    assert backup.list_backups(folder, pg_backup.SUFFIX) == [late, made[2]]
+    assert backup_files.list_backups(folder, pg_backup.SUFFIX) == [late, made[2]]
 
     bad = tmp_path / "bad.dump"
     bad.write_bytes(b"PGDMP but not really" * 100)
@@ -347,7 +347,7 @@ async def test_a_wrong_password_fails_with_one_clear_line(
     assert "not-the-password" not in result.stderr + result.stdout
     with contextlib.suppress(FileNotFoundError):
         # No dump, partial or not; only the (empty) lock file of the runs.
-        assert [path.name for path in (tmp_path / "b").iterdir()] == [backup.LOCK_NAME]
+        assert [path.name for path in (tmp_path / "b").iterdir()] == [backup_files.LOCK_NAME]
 
 
 def _stopped_run(sig: signal.Signals, workdir: Path, env: dict[str, str], folder: Path) -> int:
@@ -384,11 +384,11 @@ async def test_a_stopped_backup_leaves_no_partial_dump_behind(
     # systemd's last resort: nothing runs after SIGKILL, the next run cleans up.
     code = await asyncio.to_thread(_stopped_run, signal.SIGKILL, tmp_path, env, folder)
     assert code == -signal.SIGKILL and partials(folder)
-    assert backup.list_backups(folder, pg_backup.SUFFIX) == []
+    assert backup_files.list_backups(folder, pg_backup.SUFFIX) == []
     result = run_tool("toko-backup", tmp_path, env)
     assert result.returncode == 0, result
     assert partials(folder) == []
-    assert len(backup.list_backups(folder, pg_backup.SUFFIX)) == 1
+    assert len(backup_files.list_backups(folder, pg_backup.SUFFIX)) == 1
 
 
 @pytest.mark.parametrize("form", ["--inserts", "--column-inserts"])
@@ -500,7 +500,7 @@ async def test_a_server_gone_mid_dump_fails_in_one_line_and_keeps_the_older_back
     assert line.startswith("toko-backup: pg_dump failed (1): pg_dump: error: ")
     assert "terminating connection due to administrator command" in line
     assert partials(folder) == []
-    assert backup.list_backups(folder, pg_backup.SUFFIX) == [Path(printed(older.stdout)[-1])]
+    assert backup_files.list_backups(folder, pg_backup.SUFFIX) == [Path(printed(older.stdout)[-1])]
 
 
 async def test_a_dump_past_the_units_timeout_is_stopped_with_pg_dump_and_leaves_nothing(
@@ -515,7 +515,7 @@ async def test_a_dump_past_the_units_timeout_is_stopped_with_pg_dump_and_leaves_
     assert proc.returncode == 128 + signal.SIGTERM
     assert err.splitlines() == ["toko-backup: stopped by SIGTERM before it finished"]
     assert partials(folder) == []
-    assert backup.list_backups(folder, pg_backup.SUFFIX) == []
+    assert backup_files.list_backups(folder, pg_backup.SUFFIX) == []
 
 
 @pytest.mark.parametrize("stop", ["server gone", "SIGTERM"])

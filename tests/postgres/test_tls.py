@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import trustme
 
-from jobs.backup import LOCK_NAME
+from jobs.backup_files import LOCK_NAME
 from service.models import Product
 from service.store.base import StoreError
 from service.store.postgres import PostgresStore

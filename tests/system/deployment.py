@@ -32,6 +32,9 @@ INSTALLED_UNITS = (
     "toko-backup.timer",
     "toko-alert@.service",
 )
+# The sandbox of every toko-*.service: one drop-in beside the units, which
+# systemd applies to each service whose name starts with "toko-".
+HARDENING_DROP_IN = "toko-.service.d/00-hardening.conf"
 TOKEN_FILE = "/etc/toko/api-token"
 ENV_FILE = "/etc/toko/toko.env"
 

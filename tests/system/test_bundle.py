@@ -26,7 +26,15 @@ from tests.support.faults import FATAL_PRODUCT, FATAL_WRITER
 from tests.support.postgres import acquire_cluster, fetch_sync, release_cluster
 from tests.support.smtp import SmtpServer, server_tls
 from tests.support.syscalls import SYNCS, numbered, synced, trace_command, where
-from tests.system.deployment import CHECKOUT, ENV_FILE, INSTALLED_UNITS, TOKEN_FILE, Deployment
+from tests.system.deployment import (
+    CHECKOUT,
+    ENV_FILE,
+    HARDENING_DROP_IN,
+    INSTALLED_UNITS,
+    REPO,
+    TOKEN_FILE,
+    Deployment,
+)
 from tests.system.machine import log, wait_until
 
 # A cold run debootstraps and installs inside the first test's time.
@@ -102,6 +110,82 @@ def test_units_verify_clean_and_exposure(toko: Deployment) -> None:
             assert match, out
             log(f"{toko.machine.suite}: exposure of {unit} ({argv[-1]}): {match.group(1)}")
             assert float(match.group(1)) <= 2.0, out
+
+
+# What `systemd-analyze security` has rated every toko service since the sandbox was written.
+EXPOSURE_MAX = 1.1
+
+
+def toko_services(toko: Deployment) -> tuple[list[str], list[str]]:
+    """The toko services' unit files as systemd lists them, and the units they run as.
+
+    Listed, not named here: a service added to the bundle is checked too. The
+    template runs as an instance; one named as OnFailure= names them.
+    """
+    listed = toko.machine.run(
+        ["systemctl", "list-unit-files", "--no-legend", "--type=service", "toko-*"]
+    ).stdout
+    files = sorted(line.split()[0] for line in listed.splitlines() if line.strip())
+    assert files == sorted(u for u in INSTALLED_UNITS if u.endswith(".service")), listed
+    units = [f.replace("@.", "@test.") for f in files] + ["toko-alert@toko-backup.service.service"]
+    return files, units
+
+
+def shown(toko: Deployment, unit: str, properties: list[str]) -> dict[str, str]:
+    """``systemctl show`` of ``properties`` (unset ones too) of ``unit``."""
+    argv = ["systemctl", "show", "--all", "-p", ",".join(properties), unit]
+    lines = toko.machine.run(argv).stdout.splitlines()
+    return dict(line.split("=", 1) for line in lines if "=" in line)
+
+
+def test_every_service_gets_all_of_the_shared_sandbox(toko: Deployment) -> None:
+    # One drop-in holds the sandbox (deploy/systemd/toko-.service.d/): each
+    # service must have all of it as systemd loaded it, not just on paper.
+    path = f"{UNIT_DIR}/{HARDENING_DROP_IN}"
+    installed = toko.machine.run(["cat", path]).stdout
+    assert installed == (REPO / "deploy" / "systemd" / HARDENING_DROP_IN).read_text()
+    body = installed.partition("[Service]\n")[2]
+    keys = sorted(
+        {ln.split("=", 1)[0] for ln in body.splitlines() if ln and not ln.startswith("#")}
+    )
+    # The values systemd shows for exactly these lines, whatever its format: a
+    # unit of them alone, named so that the drop-in does not apply to it.
+    reference = "/etc/systemd/system/sandbox-reference.service"
+    bare = "/etc/systemd/system/sandbox-bare.service"
+    toko.machine.write(reference, f"[Service]\nExecStart=/bin/true\n{body}")
+    toko.machine.write(bare, "[Service]\nExecStart=/bin/true\n")
+    try:
+        toko.machine.run(["systemctl", "daemon-reload"])
+        expected = shown(toko, "sandbox-reference.service", keys)
+        assert sorted(expected) == keys, expected
+        # Each value tells a unit with the line from one without it, but for
+        # lines that say what systemd does anyway (kept for the reader).
+        default = shown(toko, "sandbox-bare.service", keys)
+        same = {key for key in keys if expected[key] == default[key]}
+        assert same <= {"AmbientCapabilities", "KeyringMode"}, same
+        _, units = toko_services(toko)
+        for unit in units:
+            got = shown(toko, unit, [*keys, "DropInPaths"])
+            assert path in got.pop("DropInPaths").split(), unit
+            mismatched = {k: (got.get(k), v) for k, v in expected.items() if got.get(k) != v}
+            assert not mismatched, (unit, mismatched)
+    finally:
+        toko.machine.run(["rm", "-f", reference, bare])
+        toko.machine.run(["systemctl", "daemon-reload"])
+
+
+def test_every_service_is_rated_as_the_sandbox_left_it(toko: Deployment) -> None:
+    files, units = toko_services(toko)
+    runs = [[unit] for unit in units] + [["--offline=true", f"{UNIT_DIR}/{f}"] for f in files]
+    rated: dict[str, float] = {}
+    for run in runs:
+        argv = ["systemd-analyze", "security", "--no-pager", *run]
+        out = toko.machine.run(argv, check=False).stdout
+        match = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out)
+        assert match, out
+        rated[run[-1]] = float(match.group(1))
+        assert rated[run[-1]] <= EXPOSURE_MAX, out
+    log(f"{toko.machine.suite}: exposure: {rated}")
 
 
 def test_runs_unprivileged_and_confined(toko: Deployment) -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs import backup, recap
+from jobs import recap
+from jobs import sqlite_backup as backup
 from jobs.common import JobFailed
 from service.models import Product
 from service.settings import Settings
