@@ -28,8 +28,8 @@ from jobs.common import JobFailed, require_database, run_job, stop_on_sigterm
 from service.settings import Settings
 from service.store.disk import fsync_dir, fsync_file
 from service.store.lock import InstanceLock, InstanceLocked
-from service.store.migrations import LATEST_VERSION
 from service.store.sqlite import connect
+from service.store.sqlite.migrations import LATEST_VERSION
 
 log = logging.getLogger("toko.backup")
 PREFIX = "toko-"

@@ -40,8 +40,8 @@ from jobs.backup import (
 from jobs.common import JobFailed
 from service.settings import Settings
 from service.store.disk import fsync_dir, fsync_file
-from service.store.pg_migrations import LATEST_VERSION, MIGRATION_LOCK
-from service.store.postgres import redact, without_password
+from service.store.postgres.migrations import LATEST_VERSION, MIGRATION_LOCK
+from service.store.postgres.urls import redact, without_password
 
 log = logging.getLogger("toko.backup")
 SUFFIX = ".dump"
