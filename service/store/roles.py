@@ -12,7 +12,7 @@ Every method is a coroutine and never blocks the event loop.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from service.models import Job, JobState, NewJob, Product, QueueCounts
 from service.store.admin import JobDetails, QueueStats, Retryable
@@ -163,6 +163,7 @@ class RecapStore(Protocol):
         seconds since the epoch; None when there is only this host's."""
 
 
+@runtime_checkable
 class QueueAdmin(Protocol):
     async def queue_stats(self) -> QueueStats: ...
 
