@@ -20,8 +20,8 @@ from typing import Any
 from bench.queue_common import JobBody, Producer, RunningWorker
 from service.mail import LogMailer
 from service.models import Job, NewJob, stored_job
-from service.store.base import Store
 from service.store.postgres import PostgresStore
+from service.store.roles import Store
 from service.store.sqlite import SqliteStore
 from service.tasks import Handler, JobContext
 from service.workers import PoolConfig, WorkerPool

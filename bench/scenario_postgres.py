@@ -31,8 +31,8 @@ from bench.sink import smtp_sink
 from bench.toko import Target, TokoCommand, get_json, running, toko_target
 from bench.wrk import POST_PRODUK_LUA, WrkResult, run_wrk
 from service.models import NewJob, Product
-from service.store.base import Store
 from service.store.postgres import PostgresStore
+from service.store.roles import Store
 from service.store.sqlite import SqliteStore
 from service.tasks import product_email_job
 from tests.support.postgres import PostgresCluster, acquire_cluster, release_cluster

@@ -50,7 +50,7 @@ def _postgres(args: argparse.Namespace, settings: Settings) -> int:
     # Imported here, not above: only a PostgreSQL run pays for loading asyncpg.
     # (No cycle either way: neither backend imports this module.)
     from jobs import pg_backup
-    from service.store.postgres import redact
+    from service.redaction import redact
 
     folder = _postgres_folder(settings)
     try:

@@ -31,10 +31,10 @@ import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 
 from jobs.backup_files import PREFIX, STOP_API, backup_name, publish_backup, refuse_newer
 from jobs.common import JobFailed
+from service.redaction import redact, without_password
 from service.settings import Settings
 from service.store.disk import fsync_dir, fsync_file
-from service.store.pg_migrations import LATEST_VERSION, MIGRATION_LOCK
-from service.store.postgres import redact, without_password
+from service.store.postgres.migrations import LATEST_VERSION, MIGRATION_LOCK
 
 log = logging.getLogger("toko.backup")
 SUFFIX = ".dump"

@@ -36,8 +36,9 @@ from service.durations import parse_duration
 from service.models import JOB_STATES, iso_utc
 from service.settings import ConfigError, Settings
 from service.store import open_store
-from service.store.admin import QueueAdmin, Retryable
-from service.store.base import LoginRefused, Store, StoreError, schema_log
+from service.store.admin import Retryable
+from service.store.base import LoginRefused, StoreError, schema_log
+from service.store.roles import QueueAdmin, Store
 from service.validation import ID_MAX, ascii_int
 
 PROG = "toko-queue"
@@ -213,8 +214,6 @@ COMMANDS: dict[str, Callable[[QueueAdmin, argparse.Namespace, float], Any]] = {
 
 async def run_command(settings: Settings, args: argparse.Namespace) -> Output:
     store: Store = open_store(settings, application_name=PROG)
-    if not isinstance(store, QueueAdmin):
-        raise CommandFailed("this store does not support queue administration yet")
     await store.open()
     try:
         result: Output = await COMMANDS[args.command](store, args, time.time())

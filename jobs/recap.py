@@ -26,8 +26,8 @@ from jobs.common import JobFailed, Stopped, require_database, run_job, stop_on_s
 from jobs.retention import prune_done_jobs
 from service.settings import Settings
 from service.store import open_store
-from service.store.admin import QueueAdmin
-from service.store.base import SharedClock, Store, StoreError
+from service.store.base import StoreError
+from service.store.roles import Store
 from service.tasks import recap_email_job
 
 log = logging.getLogger("toko.recap")
@@ -108,9 +108,10 @@ async def _shared_today(store: Store, today: date) -> date:
     finds the day recorded. On SQLite toko-api stamps products with this
     host's clock too, so this host's day is the one to go by.
     """
-    if not isinstance(store, SharedClock):
+    shared_time = await store.database_time()
+    if shared_time is None:
         return today
-    shared = datetime.fromtimestamp(await store.database_time()).astimezone().date()
+    shared = datetime.fromtimestamp(shared_time).astimezone().date()
     if shared >= today:
         return today
     log.warning(
@@ -216,10 +217,7 @@ async def record(
                     if stop.requested:
                         raise Stopped(_what_was_done(days, recorded))
                 # After the recaps, so a pruning problem never costs a period its recap.
-                if isinstance(store, QueueAdmin):
-                    await prune_done_jobs(store, settings.job_retention, now or time.time())
-                else:
-                    log.warning("this store cannot prune done jobs; TOKO_JOB_RETENTION is ignored")
+                await prune_done_jobs(store, settings.job_retention, now or time.time())
             finally:
                 await store.close()
         except asyncio.CancelledError:

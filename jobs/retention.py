@@ -9,7 +9,7 @@ import logging
 
 from service.durations import format_duration
 from service.models import iso_utc
-from service.store.admin import QueueAdmin
+from service.store.roles import QueueAdmin
 
 log = logging.getLogger("toko.retention")
 

@@ -25,8 +25,8 @@ from jobs.backup_files import PREFIX, STOP_API, backup_name, publish_backup, ref
 from jobs.common import JobFailed, require_database
 from service.store.disk import fsync_dir, fsync_file
 from service.store.lock import InstanceLock, InstanceLocked
-from service.store.migrations import LATEST_VERSION
 from service.store.sqlite import connect
+from service.store.sqlite.migrations import LATEST_VERSION
 
 log = logging.getLogger("toko.backup")
 SUFFIX = ".db"

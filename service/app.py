@@ -91,7 +91,7 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
     # Closing waits for the last writes, up to the store's own limits.
     app[NOTIFIER].extend_timeout(EXTEND_CLOSE_SECONDS, "stopping: closing the store")
     await store.close()
-    batches, writes = getattr(store, "writer_stats", (0, 0))
+    batches, writes = store.writer_stats
     # writes/batches is the group-commit factor: how many writes shared an fsync.
     log.info("store closed", extra={"COMMITS": batches, "WRITES": writes})
 

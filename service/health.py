@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from service.models import QueueCounts
-from service.store.base import Store, StoreError, write_error
+from service.store.base import StoreError, write_error
+from service.store.roles import Store
 
 T = TypeVar("T")
 

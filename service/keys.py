@@ -9,7 +9,7 @@ from aiohttp import web
 from service.health import HealthReads
 from service.metrics import Metrics
 from service.settings import Settings
-from service.store.base import Store
+from service.store.roles import Store
 from service.systemd import Notifier
 from service.workers import WorkerPool
 

@@ -35,7 +35,8 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from service.logs import Throttle
 from service.models import Job, PartlyDone, job_fields, printable_text
-from service.store.base import Store, StoreError
+from service.store.base import StoreError
+from service.store.roles import Store
 from service.tasks import Handler, JobContext
 
 log = logging.getLogger("toko.worker")

@@ -1,9 +1,12 @@
-"""Persistence: products, the job queue and recaps behind one small interface."""
+"""Persistence: products, the job queue and recaps, by role (``roles``), on
+SQLite (``sqlite``) or PostgreSQL (``postgres``); shared parts in ``base``
+and ``admin``."""
 
 from __future__ import annotations
 
 from service.settings import Settings
-from service.store.base import Store, StoreError, write_error
+from service.store.base import StoreError, write_error
+from service.store.roles import Store
 
 __all__ = ["Store", "StoreError", "open_store", "write_error"]
 

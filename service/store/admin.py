@@ -1,16 +1,13 @@
-"""Queue administration (``toko-queue``, retention): a protocol beside ``Store``.
-
-Kept apart from :class:`~service.store.base.Store` on purpose: the service's
-hot path needs none of this, and a backend can grow it separately.
-"""
+"""What queue administration (``toko-queue``, retention) shows and selects,
+the same on both stores: the role itself is ``roles.QueueAdmin``."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
-from service.models import JOB_STATES, Job, JobState, QueueCounts, iso_utc
+from service.models import JOB_STATES, Job, JobState, QueueCounts, iso_utc, job_from_row
 
 
 @dataclass(frozen=True)
@@ -36,6 +33,12 @@ class JobDetails:
             "last_error": j.last_error,
             "payload": j.payload,
         }
+
+
+def details_from_row(row: Sequence[Any]) -> JobDetails:
+    """A row of the job columns followed by ``updated_at, lease_until``, as
+    both stores select them."""
+    return JobDetails(job=job_from_row(row[:9]), updated_at=row[9], lease_until=row[10])
 
 
 @dataclass(frozen=True)
@@ -67,22 +70,3 @@ RETRYABLE_WHERE: dict[Retryable, str] = {
 # WHERE implies its condition, and ``state = ?`` implies nothing (SQLite at
 # prepare time; PostgreSQL once it settles on a generic plan).
 STATE_WHERE: dict[JobState, str] = {state: f"state = '{state}'" for state in JOB_STATES}
-
-
-@runtime_checkable
-class QueueAdmin(Protocol):
-    async def queue_stats(self) -> QueueStats: ...
-
-    async def list_jobs(self, state: JobState, limit: int) -> list[JobDetails]:
-        """Jobs in ``state``, most recently updated first."""
-
-    async def job_details(self, job_id: int) -> JobDetails | None: ...
-
-    async def retry_now(self, job_ids: Sequence[int] | None, which: Retryable) -> list[int]:
-        """``which`` jobs (these, or all when None) pending and due now, attempts reset.
-
-        Returns the ids that were ``which`` and are now due; others are untouched.
-        """
-
-    async def purge_done(self, older_than: float, chunk: int = 1000) -> int:
-        """Delete done jobs last updated before the epoch ``older_than``; how many."""

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import aiohttp
 
-from service.store.checkpoints import FINISH_AT_PAGES
 from service.store.sqlite import SqliteStore
+from service.store.sqlite.checkpoints import FINISH_AT_PAGES
 from service.tasks import product_email_job
 from tests.conftest import ServiceFactory
 from tests.support.api import wait_healthy

@@ -393,6 +393,20 @@ def _target(rng: random.Random, method: str, known: list[int]) -> str:
 
 def _json_body(rng: random.Random) -> tuple[bytes, str]:
     """A JSON-ish body and a word on what was done to it."""
+    members, why = _json_members(rng)
+    text, why = _json_framed(rng, "{" + ", ".join(members) + "}", why)
+    encoding = "utf-8"
+    if rng.random() < 0.04:
+        encoding = rng.choice(["latin-1", "utf-16", "utf-32", "utf-8-sig"])
+        why += f", {encoding}"
+    try:
+        return text.encode(encoding, "surrogatepass"), why
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass"), why
+
+
+def _json_members(rng: random.Random) -> tuple[list[str], str]:
+    """The members of the body's object, odd values and shapes included."""
     nama: Any = rng.choice(NAMES)
     harga_text = str(rng.randint(0, 10**6))
     why = "valid"
@@ -423,7 +437,11 @@ def _json_body(rng: random.Random) -> tuple[bytes, str]:
         why += ", missing field"
     if rng.random() < 0.5:
         rng.shuffle(members)
-    text = "{" + ", ".join(members) + "}"
+    return members, why
+
+
+def _json_framed(rng: random.Random, text: str, why: str) -> tuple[str, str]:
+    """The object's text, nested, padded, cut short or replaced."""
     frame = rng.random()
     if frame < 0.03:
         depth = rng.choice([10, 1000, 100_000])
@@ -441,14 +459,7 @@ def _json_body(rng: random.Random) -> tuple[bytes, str]:
     elif frame < 0.14:
         text = rng.choice(["", " ", "null", "[]", "42", '"Kopi"', "{}", "{,}", "{'nama': 1}"])
         why = f"body {text!r}"
-    encoding = "utf-8"
-    if rng.random() < 0.04:
-        encoding = rng.choice(["latin-1", "utf-16", "utf-32", "utf-8-sig"])
-        why += f", {encoding}"
-    try:
-        return text.encode(encoding, "surrogatepass"), why
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "surrogatepass"), why
+    return text, why
 
 
 def _compress(rng: random.Random, body: bytes, coding: str) -> tuple[bytes, str]:
@@ -475,9 +486,20 @@ def _compress(rng: random.Random, body: bytes, coding: str) -> tuple[bytes, str]
 def generate(rng: random.Random, known: list[int], auth: bool) -> FuzzRequest:
     method = rng.choice(METHODS)
     req = FuzzRequest(method, _target(rng, method, known))
-    with_body = method.upper() in ("POST", "PUT", "PATCH") or rng.random() < 0.1
-    coding = ""
-    if with_body:
+    _add_body(rng, req)
+    _add_content_type(rng, req)
+    if auth:
+        _add_authorization(rng, req)
+    _add_idempotency_key(rng, req)
+    _add_expect(rng, req)
+    _add_odd_header(rng, req)
+    _set_framing(rng, req)
+    _set_delivery(rng, req)
+    return req
+
+
+def _add_body(rng: random.Random, req: FuzzRequest) -> None:
+    if req.method.upper() in ("POST", "PUT", "PATCH") or rng.random() < 0.1:
         body, why = _json_body(rng)
         req.why.append(why)
         if rng.random() < 0.2:
@@ -492,22 +514,30 @@ def generate(rng: random.Random, known: list[int], auth: bool) -> FuzzRequest:
             body = body + b" " * (LIMIT + rng.choice([-10, 1, 100]))
             req.why.append("near the size limit")
         req.body = body
+
+
+def _add_content_type(rng: random.Random, req: FuzzRequest) -> None:
     if rng.random() < 0.9:
         ct = "application/json" if rng.random() < 0.75 else rng.choice(CONTENT_TYPES)
         req.headers.append(("Content-Type", ct))
         if rng.random() < 0.03:
             req.headers.append(("Content-Type", rng.choice(CONTENT_TYPES)))
             req.why.append("second Content-Type")
-    if auth:
-        if rng.random() < 0.85:
-            req.headers.append(("Authorization", f"Bearer {TOKEN}"))
-        elif rng.random() < 0.8:
-            value = rng.choice(AUTHS)
-            req.headers.append(("Authorization", value))
-            req.why.append(f"auth {value:.30}")
-        if rng.random() < 0.03:
-            req.headers.append(("Authorization", rng.choice(AUTHS)))
-            req.why.append("second Authorization")
+
+
+def _add_authorization(rng: random.Random, req: FuzzRequest) -> None:
+    if rng.random() < 0.85:
+        req.headers.append(("Authorization", f"Bearer {TOKEN}"))
+    elif rng.random() < 0.8:
+        value = rng.choice(AUTHS)
+        req.headers.append(("Authorization", value))
+        req.why.append(f"auth {value:.30}")
+    if rng.random() < 0.03:
+        req.headers.append(("Authorization", rng.choice(AUTHS)))
+        req.why.append("second Authorization")
+
+
+def _add_idempotency_key(rng: random.Random, req: FuzzRequest) -> None:
     roll = rng.random()
     if roll < 0.25:
         req.headers.append(("Idempotency-Key", rng.choice(KEYS)))
@@ -518,10 +548,16 @@ def generate(rng: random.Random, known: list[int], auth: bool) -> FuzzRequest:
     elif roll < 0.32:
         req.headers += [("Idempotency-Key", rng.choice(KEYS)), ("Idempotency-Key", "k2")]
         req.why.append("two keys")
+
+
+def _add_expect(rng: random.Random, req: FuzzRequest) -> None:
     if rng.random() < 0.05:
         value = rng.choice(["100-continue", "100-Continue", "100-continue, foo", "foo", ""])
         req.headers.append(("Expect", value))
         req.why.append(f"Expect {value!r}")
+
+
+def _add_odd_header(rng: random.Random, req: FuzzRequest) -> None:
     if rng.random() < 0.03:
         extra = rng.choice(
             [
@@ -539,6 +575,9 @@ def generate(rng: random.Random, known: list[int], auth: bool) -> FuzzRequest:
         )
         req.headers.append(extra)
         req.why.append(f"header {extra[0][:20]}")
+
+
+def _set_framing(rng: random.Random, req: FuzzRequest) -> None:
     framing = rng.random()
     if req.body is not None and framing < 0.1:
         req.framing = "chunked"
@@ -558,11 +597,14 @@ def generate(rng: random.Random, known: list[int], auth: bool) -> FuzzRequest:
     elif req.body is not None and framing < 0.15:
         req.framing = "none"
         req.why.append("no framing")
+
+
+def _set_delivery(rng: random.Random, req: FuzzRequest) -> None:
     # Not after a HEAD: an answer aiohttp's parser gives has a body even then.
     # Nor after broken framing: aiohttp reads what it can of an unread body
     # for up to 10 s (its lingering close) before it gives up on the connection.
     framed = req.framing in ("length", "chunked") and req.chunk_style not in BROKEN_CHUNKS
-    if rng.random() < 0.05 and method.upper() != "HEAD" and framed:
+    if rng.random() < 0.05 and req.method.upper() != "HEAD" and framed:
         req.pipelined = True
         req.why.append("pipelined")
     if req.body and rng.random() < 0.08:
@@ -572,7 +614,6 @@ def generate(rng: random.Random, known: list[int], auth: bool) -> FuzzRequest:
         if req.delivery == "abort" and (req.pipelined or req.framing not in ("length", "chunked")):
             req.delivery = "split"
         req.why.append(req.delivery)
-    return req
 
 
 # -- reading answers --------------------------------------------------------------

@@ -25,8 +25,8 @@ import aiohttp
 import pytest
 
 from service import __version__
-from service.store.migrations import migrate
 from service.store.sqlite import connect
+from service.store.sqlite.migrations import migrate
 from tests.conftest import ServiceFactory
 from tests.support import db
 from tests.support.api import create_product, create_products, healthz, wait_healthy

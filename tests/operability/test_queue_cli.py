@@ -16,8 +16,8 @@ import pytest
 from jobs import env_file, queue_admin
 from service import __version__
 from service.models import NewJob
-from service.store.migrations import LATEST_VERSION
 from service.store.sqlite import SqliteStore
+from service.store.sqlite.migrations import LATEST_VERSION
 from tests.conftest import ServiceFactory
 from tests.operability.cli import BIN, environment, run
 from tests.support import db

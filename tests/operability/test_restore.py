@@ -26,7 +26,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from service.store.migrations import LATEST_VERSION
+from service.store.sqlite.migrations import LATEST_VERSION
 from tests.conftest import ServiceFactory
 from tests.operability.cli import mount_tmpfs, run
 from tests.support.api import create_products

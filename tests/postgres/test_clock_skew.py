@@ -12,8 +12,7 @@ import time
 
 import pytest
 
-from service.store import postgres
-from service.store.postgres import PostgresStore
+from service.store.postgres import PostgresStore, notifications
 from tests.support.postgres import PostgresCluster
 
 
@@ -66,7 +65,7 @@ async def test_the_listen_probe_notices_a_clock_put_right(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(postgres, "LISTEN_PROBE_SECONDS", 0.05)
+    monkeypatch.setattr(notifications, "LISTEN_PROBE_SECONDS", 0.05)
     clock = OffsetClock(-60.0)
     store = PostgresStore(pg_url, password=pg_cluster.password, clock=clock)
     righted_seen = SkewRighted()

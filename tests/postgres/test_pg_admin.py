@@ -10,8 +10,9 @@ import pytest
 
 from jobs import queue_admin
 from service.models import JobState, NewJob
-from service.store.admin import QueueAdmin
-from service.store.postgres import PURGE_DONE_SQL, PostgresStore, list_jobs_sql
+from service.store.postgres import PostgresStore
+from service.store.postgres.admin import PURGE_DONE_SQL, list_jobs_sql
+from service.store.roles import QueueAdmin
 from tests.postgres.conftest import run_tool
 from tests.support.postgres import PostgresCluster, fetch
 from tests.support.service import free_port

@@ -27,8 +27,8 @@ from jobs import backup_files, pg_backup
 from jobs.common import JobFailed
 from service.models import Product
 from service.settings import Settings
-from service.store.pg_migrations import LATEST_VERSION
 from service.store.postgres import PostgresStore
+from service.store.postgres.migrations import LATEST_VERSION
 from service.tasks import product_email_job
 from tests.conftest import ServiceFactory
 from tests.operability.cli import freeze_mid_copy, partials

@@ -21,8 +21,9 @@ from service.mail import Email
 from service.models import Job, NewJob, Product
 from service.store import postgres
 from service.store.base import StoreError
-from service.store.pg_migrations import LATEST_VERSION
 from service.store.postgres import PostgresStore
+from service.store.postgres import transport as pg_transport
+from service.store.postgres.migrations import LATEST_VERSION
 from service.tasks import JobContext, product_email_job
 from service.workers import PoolConfig, WorkerPool
 from tests.support.postgres import PostgresCluster, fetch
@@ -390,7 +391,7 @@ async def test_open_waits_for_a_database_that_comes_up_late(
 async def test_open_gives_up_on_an_unreachable_database(
     pg_cluster: PostgresCluster, pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(postgres, "OPEN_RETRY_SECONDS", 0.6)
+    monkeypatch.setattr(pg_transport, "OPEN_RETRY_SECONDS", 0.6)
     dead = pg_url.replace(f":{pg_cluster.port}/", f":{free_port()}/")
     with pytest.raises(StoreError, match="cannot open database"):
         await PostgresStore(dead, password=pg_cluster.password).open()
@@ -405,7 +406,7 @@ async def test_a_call_that_times_out_is_not_tried_again(
     # A lock held elsewhere: the call waits its full timeout once and fails.
     # Trying again on another connection would wait as long again, up to nine
     # times (4.5 minutes at 30 s), so a late ack would outlive its job's lease.
-    monkeypatch.setattr(postgres, "COMMAND_TIMEOUT", 0.5)
+    monkeypatch.setattr(pg_transport, "COMMAND_TIMEOUT", 0.5)
     store = PostgresStore(pg_url, password=pg_cluster.password)
     await store.open()
     locker = await pg_cluster.connect(pg_url.rsplit("/", 1)[1])

@@ -22,8 +22,9 @@ import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 import pytest
 
 from service.models import NewJob
-from service.store.pg_migrations import RECAP_LOCK_CLASS
-from service.store.postgres import OPEN_RETRY_SECONDS, PostgresStore
+from service.store.postgres import PostgresStore
+from service.store.postgres.migrations import RECAP_LOCK_CLASS
+from service.store.postgres.transport import OPEN_RETRY_SECONDS
 from tests.operability.cli import utc_today
 from tests.postgres.conftest import clean_env, pg_env, run_tool, tool_command
 from tests.support.postgres import PostgresCluster, fetch

@@ -20,7 +20,8 @@ from urllib.parse import quote
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
-from service.store.postgres import PostgresStore, redact, without_password
+from service.redaction import redact, without_password
+from service.store.postgres import PostgresStore
 from tests.operability.cli import BIN, Completed, environment, run
 from tests.support.http import request
 from tests.support.leaks import assert_no_secret, make_secret

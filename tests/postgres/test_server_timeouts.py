@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 
 from service.store.base import StoreError
-from service.store.pg_migrations import MIGRATION_LOCK
 from service.store.postgres import PostgresStore
+from service.store.postgres.migrations import MIGRATION_LOCK
 from tests.conftest import ServiceFactory
 from tests.postgres.conftest import pg_env, run_tool
 from tests.support.api import create_product

@@ -10,18 +10,18 @@ FATAL_PRODUCT = "FATAL"
 FATAL_WRITER = f"""
 import sys
 from service import cli
-from service.store import sqlite
+from service.store.sqlite import products
 
 class Fatal(BaseException):
     pass
 
-real = sqlite._create_products
+real = products.create_products
 
 def create_products(conn, items):
     if any(item[0] == {FATAL_PRODUCT!r} for item in items):
         raise Fatal()
     return real(conn, items)
 
-sqlite._create_products = create_products
+products.create_products = create_products
 sys.exit(cli.main())
 """

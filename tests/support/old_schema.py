@@ -10,8 +10,8 @@ from contextlib import closing
 
 import asyncpg
 
-from service.store import migrations, pg_migrations
-from service.store.sqlite import connect
+from service.store.postgres import migrations as pg_migrations
+from service.store.sqlite import connect, migrations
 
 
 def make_sqlite_at(path: str, version: int, *rows: str) -> None:

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from service.store.base import Store
-from service.store.migrations import LATEST_VERSION as SQLITE_LATEST
-from service.store.pg_migrations import LATEST_VERSION as PG_LATEST
 from service.store.postgres import PostgresStore
+from service.store.postgres.migrations import LATEST_VERSION as PG_LATEST
+from service.store.roles import Store
 from service.store.sqlite import SqliteStore
+from service.store.sqlite.migrations import LATEST_VERSION as SQLITE_LATEST
 from tests.support.old_schema import make_postgres_at, make_sqlite_at
 from tests.support.postgres import PostgresCluster, acquire_cluster, fetch, release_cluster
 

@@ -1,4 +1,4 @@
-"""The write-ahead log's checkpoints (service.store.checkpoints), on a real SQLite file."""
+"""The write-ahead log's checkpoints (service.store.sqlite.checkpoints), on a real SQLite file."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from service.store.checkpoints import LIMIT_BYTES
 from service.store.sqlite import SqliteStore
+from service.store.sqlite.checkpoints import LIMIT_BYTES
 
 BLOB = os.urandom(64 * 1024)  # 16 pages of log a row
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from service.store.file_guard import DatabaseFileGone, FileGuard
+from service.store.sqlite.file_guard import DatabaseFileGone, FileGuard
 
 
 class UnlinksDuringCheckpoint(sqlite3.Connection):

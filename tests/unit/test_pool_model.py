@@ -59,8 +59,8 @@ from service import workers
 from service.mail import EhloName, SmtpMailer
 from service.models import Job, NewJob, Product, stored_job
 from service.settings import SmtpTarget
-from service.store.admin import QueueAdmin
-from service.store.base import ABANDONED_ERROR, Store
+from service.store.base import ABANDONED_ERROR
+from service.store.roles import QueueAdmin, Store
 from service.tasks import (
     HANDLERS,
     Handler,

@@ -17,20 +17,16 @@ import pytest
 
 from service.mail import LogMailer
 from service.models import Job, JobState, NewJob, Product, stored_job
-from service.store.admin import RETRYABLE_WHERE, QueueAdmin, Retryable
-from service.store.base import ABANDONED_ERROR, Store, StoreError
-from service.store.group_commit import GroupCommitWriter
-from service.store.migrations import LATEST_VERSION, migrate
-from service.store.pg_migrations import LATEST_VERSION as PG_LATEST_VERSION
+from service.store.admin import RETRYABLE_WHERE, Retryable
+from service.store.base import ABANDONED_ERROR, StoreError
 from service.store.postgres import PostgresStore
-from service.store.sqlite import (
-    PURGE_DONE_SQL,
-    SqliteStore,
-    _create_products,
-    connect,
-    list_jobs_sql,
-    retry_by_id_sql,
-)
+from service.store.postgres.migrations import LATEST_VERSION as PG_LATEST_VERSION
+from service.store.roles import QueueAdmin, Store
+from service.store.sqlite import SqliteStore, connect
+from service.store.sqlite.admin import PURGE_DONE_SQL, list_jobs_sql, retry_by_id_sql
+from service.store.sqlite.migrations import LATEST_VERSION, migrate
+from service.store.sqlite.products import create_products
+from service.store.sqlite.writer import GroupCommitWriter
 from service.tasks import HANDLERS, JobContext, product_email_job
 from tests.unit.conftest import Backend, FakeClock
 
@@ -122,7 +118,7 @@ def test_sqlite_batch_with_one_key_twice_inserts_it_once(tmp_path: Path) -> None
         ("Kopi", 1, 1.0, email_job, "k"),
     ]
     conn.execute("BEGIN IMMEDIATE")
-    (kopi, kopi_job), (susu, susu_job), (again, no_job) = _create_products(conn, items)
+    (kopi, kopi_job), (susu, susu_job), (again, no_job) = create_products(conn, items)
     conn.execute("COMMIT")
     assert (again, no_job) == (kopi, None)
     assert kopi_job is not None and susu_job is not None and susu.id != kopi.id
@@ -694,7 +690,7 @@ async def test_retrying_every_job_commits_in_chunks(
         else:
             await sqlite_store.retry(job, "SMTP 451", clock.now + 3600)
     watch = LockWatch(sqlite_store.path)
-    monkeypatch.setattr("service.store.sqlite._let_others_write", watch)
+    monkeypatch.setattr("service.store.sqlite.admin._let_others_write", watch)
     batches, writes = sqlite_store.writer_stats
 
     assert await sqlite_store.retry_now(None, which, chunk=10) == ids
@@ -712,7 +708,7 @@ async def test_a_purge_leaves_the_write_lock_free_between_chunks(
         await sqlite_store.enqueue(NewJob("k", {}, 1))
     await sqlite_store.complete(await sqlite_store.claim(8, 60))
     watch = LockWatch(sqlite_store.path)
-    monkeypatch.setattr("service.store.sqlite._let_others_write", watch)
+    monkeypatch.setattr("service.store.sqlite.admin._let_others_write", watch)
 
     assert await sqlite_store.purge_done(clock.now + 1, chunk=3) == 7  # the newest stays
     assert watch.pauses == 2  # after the two full chunks; the third was the last

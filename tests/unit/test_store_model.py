@@ -33,8 +33,9 @@ from typing import Any
 import pytest
 
 from service.models import JOB_STATES, Job, JobState, NewJob, Product, QueueCounts
-from service.store.admin import JobDetails, QueueAdmin, Retryable
-from service.store.base import ABANDONED_ERROR, Store
+from service.store.admin import JobDetails, Retryable
+from service.store.base import ABANDONED_ERROR
+from service.store.roles import QueueAdmin, Store
 from service.tasks import product_email_job
 from tests.unit.conftest import Backend, FakeClock
 

@@ -18,8 +18,8 @@ from jobs.common import JobFailed
 from service.models import Product
 from service.settings import Settings
 from service.store.lock import InstanceLock, is_locked
-from service.store.migrations import LATEST_VERSION
 from service.store.sqlite import SqliteStore
+from service.store.sqlite.migrations import LATEST_VERSION
 from service.tasks import product_email_job
 from tests.support import db as db_files
 from tests.support.old_schema import make_sqlite_at

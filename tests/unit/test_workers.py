@@ -15,7 +15,8 @@ from service.mail import Email
 from service.models import Job, NewJob
 from service.settings import Settings
 from service.store import postgres
-from service.store.base import Store, StoreError
+from service.store.base import StoreError
+from service.store.roles import Store
 from service.tasks import JobContext
 from service.workers import PoolConfig, WorkerPool, backoff_delay
 from tests.unit.conftest import Backend, FakeClock

@@ -22,7 +22,7 @@ writer thread, so that the process can stop and systemd restart it.
 
 ``upkeep``, if given, hears of each commit (``committed()``) and may use the
 connection once a batch is answered (``between_batches(conn)``): the log's
-checkpoints (service.store.checkpoints).
+checkpoints (service.store.sqlite.checkpoints).
 
 An optional ``verify(conn)`` runs after each commit. Once it raises a
 ``sqlite3.Error``, the writes of that batch and of every later one fail with
