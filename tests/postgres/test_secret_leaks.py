@@ -18,9 +18,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import asyncpg  # type: ignore[import-untyped]
-import pytest
 
-from service.redaction import redact, without_password
 from service.store.postgres import PostgresStore
 from tests.operability.cli import BIN, Completed, environment, run
 from tests.support.http import request
@@ -238,31 +236,3 @@ async def test_pg_dump_and_pg_restore_get_no_password_on_their_command_line(
     assert_no_secret(dump_argv, [password], "pg_dump's command line")
     assert_no_secret(restore_argv, [password], "pg_restore's command line")
     assert_no_secret(printed, [password], "toko-backup's output")
-
-
-@pytest.mark.parametrize(
-    ("url", "shown", "for_tools"),
-    [
-        ("postgresql://toko@db/toko", "postgresql://toko@db/toko", "postgresql://toko@db/toko"),
-        (
-            "postgresql://toko:s%2Fcret@db/toko",
-            "postgresql://toko:***@db/toko",
-            "postgresql://toko@db/toko",
-        ),
-        (
-            "postgresql://toko@db/toko?sslmode=require&password=s%2Fcret",
-            "postgresql://toko@db/toko?sslmode=require&password=***",
-            "postgresql://toko@db/toko?sslmode=require",
-        ),
-        (
-            "postgresql://toko@db1,db2/toko?password=s%2Fcret&connect_timeout=5",
-            "postgresql://toko@db1,db2/toko?password=***&connect_timeout=5",
-            "postgresql://toko@db1,db2/toko?connect_timeout=5",
-        ),
-    ],
-)
-def test_a_password_in_the_url_is_masked_in_messages_and_left_out_for_the_tools(
-    url: str, shown: str, for_tools: str
-) -> None:
-    assert redact(url) == shown
-    assert without_password(url) == (for_tools, "s/cret" if "cret" in url else None)
