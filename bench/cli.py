@@ -255,37 +255,175 @@ def _machine() -> str:
     return f"{os.cpu_count()} x {model}, Linux {platform.release()}, Python {py}"
 
 
+def _quiet(args: argparse.Namespace) -> dict[str, float]:
+    return {
+        "quiet_below_pct": args.quiet_below or float("inf"),
+        "quiet_max_wait_s": args.quiet_max_wait,
+    }
+
+
+def _run_throughput(args: argparse.Namespace, toko: TokoCommand, out: Path) -> Any:
+    cfg = scenario_throughput.ThroughputConfig(
+        toko=toko,
+        runs=args.runs,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        connections=args.connections,
+        threads=args.wrk_threads,
+        parked=args.parked,
+        db_dir=args.db_dir,
+        **_quiet(args),
+    )
+    return scenario_throughput.run(cfg, out)
+
+
+def _run_backlog(args: argparse.Namespace, toko: TokoCommand, out: Path) -> Any:
+    cfg = scenario_backlog.BacklogConfig(
+        toko=toko,
+        rate=args.rate,
+        duration_s=args.load_duration,
+        email_delay_s=args.email_delay,
+        workers=args.workers,
+        settle_s=args.settle,
+        p99_target_ms=args.p99_target,
+        full_drain=args.full_drain,
+        drain_timeout_s=args.drain_timeout,
+        drain_workers=args.drain_workers,
+        quiet_below_pct=args.quiet_below or float("inf"),
+        quiet_max_wait_s=2 * args.quiet_max_wait,
+    )
+    return scenario_backlog.run(cfg, out)
+
+
+def _run_postgres(args: argparse.Namespace, toko: TokoCommand, out: Path) -> Any:
+    cfg = scenario_postgres.PostgresConfig(
+        toko=toko,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        connections=args.connections,
+        drain_jobs=500 if args.smoke else 5000,
+        **_quiet(args),
+    )
+    return scenario_postgres.run(cfg, out)
+
+
+def _run_queue(args: argparse.Namespace, toko: TokoCommand, out: Path) -> Any:
+    cfg = scenario_queue.QueueConfig(systems=tuple(args.queue_systems.split(",")), **_quiet(args))
+    cfg = cfg.smoke() if args.smoke else cfg
+    if args.queue_reps:
+        cfg = replace(cfg, reps=args.queue_reps)
+    return scenario_queue.run(cfg, out)
+
+
+def _run_tutorial(args: argparse.Namespace, toko: TokoCommand, out: Path) -> Any:
+    # The Go build cache outlives the run: a cold build takes 25-60 s.
+    go_cache = args.results_dir / ".go-cache"
+    if args.smoke:
+        cfg = scenario_tutorial.TutorialConfig.smoke(toko, go_cache_dir=go_cache)
+    else:
+        cfg = scenario_tutorial.TutorialConfig(
+            toko=toko, go_cache_dir=go_cache, quiet_below_pct=args.quiet_below or float("inf")
+        )
+    return scenario_tutorial.run(cfg, out)
+
+
+def _run_disk(args: argparse.Namespace, toko: TokoCommand, out: Path) -> Any:
+    overrides: dict[str, Any] = {
+        "backends": args.disk_backends,
+        "window_s": args.disk_window,
+        "email_delay_s": args.email_delay,
+        "workers": args.workers,
+        "generators": args.disk_generators,
+        "client": args.disk_client,
+        "p99_targets_ms": args.disk_p99_targets,
+        "max_target_ms": args.disk_max_target,
+        **_quiet(args),
+    }
+    if args.disk_rates:
+        overrides["rates"] = args.disk_rates
+    if args.disk_duration:
+        overrides["duration_s"] = args.disk_duration
+    if args.smoke:
+        cfg = scenario_disk.DiskConfig.smoke(toko, **overrides)
+    else:
+        cfg = scenario_disk.DiskConfig(toko=toko, **overrides)
+    return scenario_disk.run(cfg, out)
+
+
+def _run_startup(args: argparse.Namespace, toko: TokoCommand, out: Path) -> Any:
+    cfg = scenario_startup.StartupConfig(toko=toko, starts=args.starts, idle_s=args.idle)
+    return scenario_startup.run(cfg, out)
+
+
+RUNNERS = {
+    "throughput": _run_throughput,
+    "backlog": _run_backlog,
+    "startup": _run_startup,
+    "postgres": _run_postgres,
+    "queue": _run_queue,
+    "tutorial": _run_tutorial,
+    "disk": _run_disk,
+}
+assert tuple(RUNNERS) == SCENARIOS
+
+
+def _toko_under_test(args: argparse.Namespace) -> tuple[TokoCommand, Path | None]:
+    """The toko-api to measure, and the snapshot folder to remove afterwards."""
+    if not args.toko_ref:
+        toko_argv = shlex.split(args.toko_cmd) if args.toko_cmd else [str(venv_bin("toko-api"))]
+        return TokoCommand(toko_argv, revision=_git_describe()), None
+    # Outside the repository, so linters and type checkers never see it.
+    snapdir = Path(tempfile.mkdtemp(prefix="toko-bench-snapshot-"))
+    try:
+        return snapshot(args.toko_ref, snapdir), snapdir
+    except subprocess.CalledProcessError:
+        shutil.rmtree(snapdir, ignore_errors=True)
+        raise
+
+
+def _render_saved(args: argparse.Namespace) -> int:
+    saved = json.loads(args.render.read_text())
+    print(report.text_table(saved))
+    md = args.results_dir / "latest.md"
+    md.write_text(report.markdown(saved))
+    print(f"\nbench: wrote {md} from {args.render}")
+    return 0
+
+
+def _missed(results: dict[str, Any]) -> list[str]:
+    return [
+        n
+        for n in ("throughput", "backlog", "postgres", "queue", "disk")
+        if n in results
+        and not (results[n]["summary"]["met"] if n == "throughput" else results[n]["met"])
+    ]
+
+
+def _remove_databases(workdir: Path) -> None:
+    # Tens of MB per run (WAL included); the figures are in the JSON.
+    for pattern in ("*.db", "*.db-wal", "*.db-shm", "*.db.lock"):
+        for path in workdir.rglob(pattern):
+            path.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.compare:
         print(compare.render(*args.compare, match=args.compare_match))
         return 0
     if args.render:
-        saved = json.loads(args.render.read_text())
-        print(report.text_table(saved))
-        md = args.results_dir / "latest.md"
-        md.write_text(report.markdown(saved))
-        print(f"\nbench: wrote {md} from {args.render}")
-        return 0
+        return _render_saved(args)
     install_sigterm_as_interrupt()
     started = datetime.now(UTC)
     stamp = started.strftime("%Y%m%dT%H%M%SZ")
     results_dir: Path = args.results_dir
     workdir = results_dir / f"{stamp}-work"
     workdir.mkdir(parents=True, exist_ok=True)
-    snapdir: Path | None = None
-    if args.toko_ref:
-        # Outside the repository, so linters and type checkers never see it.
-        snapdir = Path(tempfile.mkdtemp(prefix="toko-bench-snapshot-"))
-        try:
-            toko = snapshot(args.toko_ref, snapdir)
-        except subprocess.CalledProcessError as exc:
-            shutil.rmtree(snapdir, ignore_errors=True)
-            print(f"bench: cannot extract {args.toko_ref}: {exc.stderr}", file=sys.stderr)
-            return 2
-    else:
-        toko_argv = shlex.split(args.toko_cmd) if args.toko_cmd else [str(venv_bin("toko-api"))]
-        toko = TokoCommand(toko_argv, revision=_git_describe())
+    try:
+        toko, snapdir = _toko_under_test(args)
+    except subprocess.CalledProcessError as exc:
+        print(f"bench: cannot extract {args.toko_ref}: {exc.stderr}", file=sys.stderr)
+        return 2
     if not shutil.which(toko.argv[0]):
         print(f"bench: {toko.argv[0]} not found or not executable", file=sys.stderr)
         return 2
@@ -312,105 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name}", flush=True)
             t0 = time.monotonic()
             try:
-                if name == "throughput":
-                    results[name] = scenario_throughput.run(
-                        scenario_throughput.ThroughputConfig(
-                            toko=toko,
-                            runs=args.runs,
-                            duration_s=args.duration,
-                            warmup_s=args.warmup,
-                            connections=args.connections,
-                            threads=args.wrk_threads,
-                            parked=args.parked,
-                            quiet_below_pct=args.quiet_below or float("inf"),
-                            quiet_max_wait_s=args.quiet_max_wait,
-                            db_dir=args.db_dir,
-                        ),
-                        workdir / name,
-                    )
-                elif name == "backlog":
-                    results[name] = scenario_backlog.run(
-                        scenario_backlog.BacklogConfig(
-                            toko=toko,
-                            rate=args.rate,
-                            duration_s=args.load_duration,
-                            email_delay_s=args.email_delay,
-                            workers=args.workers,
-                            settle_s=args.settle,
-                            p99_target_ms=args.p99_target,
-                            full_drain=args.full_drain,
-                            drain_timeout_s=args.drain_timeout,
-                            drain_workers=args.drain_workers,
-                            quiet_below_pct=args.quiet_below or float("inf"),
-                            quiet_max_wait_s=2 * args.quiet_max_wait,
-                        ),
-                        workdir / name,
-                    )
-                elif name == "postgres":
-                    results[name] = scenario_postgres.run(
-                        scenario_postgres.PostgresConfig(
-                            toko=toko,
-                            duration_s=args.duration,
-                            warmup_s=args.warmup,
-                            connections=args.connections,
-                            drain_jobs=500 if args.smoke else 5000,
-                            quiet_below_pct=args.quiet_below or float("inf"),
-                            quiet_max_wait_s=args.quiet_max_wait,
-                        ),
-                        workdir / name,
-                    )
-                elif name == "queue":
-                    qcfg = scenario_queue.QueueConfig(
-                        systems=tuple(args.queue_systems.split(",")),
-                        quiet_below_pct=args.quiet_below or float("inf"),
-                        quiet_max_wait_s=args.quiet_max_wait,
-                    )
-                    qcfg = qcfg.smoke() if args.smoke else qcfg
-                    if args.queue_reps:
-                        qcfg = replace(qcfg, reps=args.queue_reps)
-                    results[name] = scenario_queue.run(qcfg, workdir / name)
-                elif name == "tutorial":
-                    tcfg = scenario_tutorial.TutorialConfig(
-                        toko=toko,
-                        # The Go build cache outlives the run: a cold build takes 25-60 s.
-                        go_cache_dir=results_dir / ".go-cache",
-                        quiet_below_pct=args.quiet_below or float("inf"),
-                    )
-                    if args.smoke:
-                        tcfg = scenario_tutorial.TutorialConfig.smoke(
-                            toko, go_cache_dir=results_dir / ".go-cache"
-                        )
-                    results[name] = scenario_tutorial.run(tcfg, workdir / name)
-                elif name == "disk":
-                    overrides: dict[str, Any] = {
-                        "backends": args.disk_backends,
-                        "window_s": args.disk_window,
-                        "email_delay_s": args.email_delay,
-                        "workers": args.workers,
-                        "generators": args.disk_generators,
-                        "client": args.disk_client,
-                        "p99_targets_ms": args.disk_p99_targets,
-                        "max_target_ms": args.disk_max_target,
-                        "quiet_below_pct": args.quiet_below or float("inf"),
-                        "quiet_max_wait_s": args.quiet_max_wait,
-                    }
-                    if args.disk_rates:
-                        overrides["rates"] = args.disk_rates
-                    if args.disk_duration:
-                        overrides["duration_s"] = args.disk_duration
-                    dcfg = (
-                        scenario_disk.DiskConfig.smoke(toko, **overrides)
-                        if args.smoke
-                        else scenario_disk.DiskConfig(toko=toko, **overrides)
-                    )
-                    results[name] = scenario_disk.run(dcfg, workdir / name)
-                else:
-                    results[name] = scenario_startup.run(
-                        scenario_startup.StartupConfig(
-                            toko=toko, starts=args.starts, idle_s=args.idle
-                        ),
-                        workdir / name,
-                    )
+                results[name] = RUNNERS[name](args, toko, workdir / name)
             except (RuntimeError, TimeoutError, OSError, ValueError) as exc:
                 # One scenario failing should not cost the others' figures.
                 traceback.print_exc()
@@ -427,20 +467,11 @@ def main(argv: list[str] | None = None) -> int:
         if snapdir is not None:
             shutil.rmtree(snapdir, ignore_errors=True)
         if not args.keep_dbs:
-            # Tens of MB per run (WAL included); the figures are in the JSON.
-            for pattern in ("*.db", "*.db-wal", "*.db-shm", "*.db.lock"):
-                for path in workdir.rglob(pattern):
-                    path.unlink(missing_ok=True)
-    missed = [
-        n
-        for n in ("throughput", "backlog", "postgres", "queue", "disk")
-        if n in results
-        and not (results[n]["summary"]["met"] if n == "throughput" else results[n]["met"])
-    ]
+            _remove_databases(workdir)
     if failed:
         print(f"bench: scenario(s) failed to run: {', '.join(failed)}", file=sys.stderr)
         return 2
-    if missed:
+    if missed := _missed(results):
         print(f"bench: target(s) missed: {', '.join(missed)}", file=sys.stderr)
         return 1
     return 0

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import gc
 import json
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,26 +223,8 @@ async def open_loop(
                     return _one_raw(pool, parsed, sample, t0, token)
                 return _one(session, url, sample, t0, token)
 
-            nxt = 0
-            mine = len(samples)
-            while nxt < mine:
-                now = loop.time() - t0
-                # Launch everything due by now: catching up keeps the schedule
-                # open-loop even when the generator slept too long.
-                while nxt < mine and samples[nxt].scheduled <= now:
-                    task = asyncio.create_task(send(samples[nxt]))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                    nxt += 1
-                if nxt < mine:
-                    await asyncio.sleep(max(0.0, samples[nxt].scheduled - (loop.time() - t0)))
-            if tasks:
-                _, pending = await asyncio.wait(set(tasks), timeout=request_timeout_s + 5)
-                for task in pending:
-                    task.cancel()
-                for task in pending:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+            await _launch_on_schedule(samples, t0, send, tasks)
+            await _finish(tasks, request_timeout_s + 5)
             result.wall_s = loop.time() - t0
             pool.close()
     finally:
@@ -253,3 +235,37 @@ async def open_loop(
         if s.finished == 0.0 and not s.error:
             s.error = "not completed"
     return result
+
+
+async def _launch_on_schedule(
+    samples: list[Sample],
+    t0: float,
+    send: Callable[[Sample], Coroutine[Any, Any, None]],
+    tasks: set[asyncio.Task[None]],
+) -> None:
+    loop = asyncio.get_running_loop()
+    nxt = 0
+    mine = len(samples)
+    while nxt < mine:
+        now = loop.time() - t0
+        # Launch everything due by now: catching up keeps the schedule
+        # open-loop even when the generator slept too long.
+        while nxt < mine and samples[nxt].scheduled <= now:
+            task = asyncio.create_task(send(samples[nxt]))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            nxt += 1
+        if nxt < mine:
+            await asyncio.sleep(max(0.0, samples[nxt].scheduled - (loop.time() - t0)))
+
+
+async def _finish(tasks: set[asyncio.Task[None]], timeout: float) -> None:  # noqa: ASYNC109
+    """Wait for the requests in flight; cancel what is still out after ``timeout``."""
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(set(tasks), timeout=timeout)
+    for task in pending:
+        task.cancel()
+    for task in pending:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

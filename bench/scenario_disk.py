@@ -98,7 +98,7 @@ class DiskConfig:
         return DiskConfig(toko=toko, **{**base, **overrides})
 
 
-# -- pure helpers (tests/unit/test_bench_disk.py) ------------------------------------
+# -- pure helpers (bench/tests/test_disk.py) ------------------------------------
 
 
 def targets_for(rates: Sequence[float], targets: Sequence[float]) -> list[float]:

@@ -1,4 +1,4 @@
-"""Pure statistics helpers (unit-tested in tests/unit/test_bench_helpers.py)."""
+"""Pure statistics helpers (unit-tested in bench/tests/test_helpers.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What the crash loops share: the POSTs clients make, and the SMTP server's moods.
 
 tests/integration/test_crash_loop.py (SQLite, one toko-api) and
-tests/postgres/test_crash_loop.py (two on one database) draw their plans
+tests/integration/test_crash_loop_two_hosts.py (two on one database) draw their plans
 from these.
 """
 

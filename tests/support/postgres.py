@@ -343,3 +343,9 @@ def tool_env(cluster: PostgresCluster, extra: Sequence[tuple[str, str]] = ()) ->
     env = {"TOKO_DATABASE_PASSWORD_FILE": str(cluster.password_file)}
     env.update(dict(extra))
     return env
+
+
+def pg_env(cluster: PostgresCluster, url: str, **extra: str) -> dict[str, str]:
+    """What a toko process needs to use ``url``: the password comes from a file,
+    the way the systemd credential delivers it."""
+    return {"TOKO_DATABASE": url, **tool_env(cluster), **extra}

@@ -36,8 +36,8 @@ from service.tasks import (
     product_email_job,
     recap_email_job,
 )
+from tests.support.backends import FakeClock
 from tests.support.smtp import SmtpServer, server_tls
-from tests.unit.conftest import FakeClock
 
 OWNERS = ("bos@toko.test", "kasir@toko.test")
 # A job's enqueue time (jobs.created_at), which its Message-ID is made of with its id.

@@ -22,8 +22,8 @@ from service.store.sqlite import SqliteStore
 from service.store.sqlite.migrations import LATEST_VERSION
 from service.tasks import product_email_job
 from tests.support import db as db_files
+from tests.support.backends import FakeClock
 from tests.support.old_schema import make_sqlite_at
-from tests.unit.conftest import FakeClock
 
 
 async def seed(path: str, count: int) -> None:

@@ -32,11 +32,11 @@ from service.store.postgres.migrations import LATEST_VERSION
 from service.tasks import product_email_job
 from tests.conftest import ServiceFactory
 from tests.operability.cli import freeze_mid_copy, partials
-from tests.postgres.conftest import clean_env, pg_env, run_tool, tool_command
 from tests.support.api import create_product, wait_healthy
 from tests.support.old_schema import make_postgres_at
-from tests.support.postgres import PostgresCluster, fetch
+from tests.support.postgres import PostgresCluster, fetch, pg_env
 from tests.support.syscalls import SYNCS, numbered, synced, trace_command, where
+from tests.support.tools import clean_env, run_tool, tool_command
 
 TABLES = {
     "products": "SELECT id, nama, harga, created_at FROM products ORDER BY id",

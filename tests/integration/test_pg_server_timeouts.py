@@ -20,9 +20,9 @@ from service.store.base import StoreError
 from service.store.postgres import PostgresStore
 from service.store.postgres.migrations import MIGRATION_LOCK
 from tests.conftest import ServiceFactory
-from tests.postgres.conftest import pg_env, run_tool
 from tests.support.api import create_product
-from tests.support.postgres import PostgresCluster, fetch
+from tests.support.postgres import PostgresCluster, fetch, pg_env
+from tests.support.tools import run_tool
 
 # Where the sweep would find a job the LISTEN connection missed: after up to 1 s.
 WOKEN_WITHIN_SECONDS = 0.5

@@ -19,9 +19,8 @@ import aiohttp
 
 from service.mail import message_id
 from tests.conftest import ServiceFactory
-from tests.postgres.conftest import pg_env
 from tests.support.api import create_product
-from tests.support.postgres import PostgresCluster, fetch
+from tests.support.postgres import PostgresCluster, fetch, pg_env
 from tests.support.service import ServiceProcess
 from tests.support.smtp import SmtpServer
 

@@ -37,7 +37,7 @@ from service.store.admin import JobDetails, Retryable
 from service.store.base import ABANDONED_ERROR
 from service.store.roles import QueueAdmin, Store
 from service.tasks import product_email_job
-from tests.unit.conftest import Backend, FakeClock
+from tests.support.backends import Backend, FakeClock
 
 SEEDS = range(int(os.environ.get("TOKO_MODEL_SEEDS", "3")))
 STEPS = int(os.environ.get("TOKO_MODEL_STEPS", "250"))

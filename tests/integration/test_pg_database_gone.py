@@ -16,10 +16,9 @@ from service.health import HEALTH_READ_SECONDS
 from service.store.postgres import CLOSE_SECONDS
 from service.workers import STOP_WRITE_SECONDS
 from tests.conftest import ServiceFactory
-from tests.postgres.conftest import pg_env
 from tests.support.api import create_products, healthz, wait_healthy
 from tests.support.notify import Notification
-from tests.support.postgres import PostgresCluster
+from tests.support.postgres import PostgresCluster, pg_env
 from tests.support.scrape import scrape
 from tests.support.smtp import SmtpServer
 

@@ -19,7 +19,7 @@ from service.store.base import StoreError
 from service.store.roles import Store
 from service.tasks import JobContext
 from service.workers import PoolConfig, WorkerPool, backoff_delay
-from tests.unit.conftest import Backend, FakeClock
+from tests.support.backends import Backend, FakeClock
 
 
 class NoMail:

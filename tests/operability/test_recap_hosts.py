@@ -22,9 +22,9 @@ from service.settings import Settings
 from service.store.postgres import PostgresStore
 from service.tasks import product_email_job
 from tests.conftest import ServiceFactory
-from tests.postgres.conftest import clean_env, pg_env, tool_command
-from tests.support.postgres import PostgresCluster, fetch
+from tests.support.postgres import PostgresCluster, fetch, pg_env
 from tests.support.smtp import SmtpServer
+from tests.support.tools import clean_env, tool_command
 
 HOSTS = 3
 PRODUCTS = 7

@@ -6,9 +6,8 @@ from __future__ import annotations
 import aiohttp
 
 from tests.conftest import ServiceFactory
-from tests.postgres.conftest import pg_env
 from tests.support.api import create_products, wait_healthy
-from tests.support.postgres import PostgresCluster, fetch
+from tests.support.postgres import PostgresCluster, fetch, pg_env
 
 
 async def test_toko_api_survives_its_connections_being_killed(

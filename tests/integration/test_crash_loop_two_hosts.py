@@ -21,7 +21,7 @@ connection swallowed. The suite's default run therefore leaves kill -9 out
 (SIGTERM and cuts only, about 10 s); any run that names its seeds draws kill
 -9 too and gives the drain the lease's time::
 
-    TOKO_PG_CRASH_SEEDS=20 TOKO_PG_CRASH_CYCLES=6 pytest tests/postgres/test_crash_loop.py
+    TOKO_PG_CRASH_SEEDS=20 TOKO_PG_CRASH_CYCLES=6 pytest tests/integration -k pg_crash_loop
     TOKO_PG_CRASH_FAULTS=kill pytest ...   # only these faults (kill, term, cut)
     TOKO_PG_CRASH_FIRST_SEED=100 ...       # seeds 100, 101, ... instead of 0, 1, ...
 """
@@ -43,7 +43,6 @@ import aiohttp
 import pytest
 
 from tests.conftest import ServiceFactory
-from tests.postgres.conftest import pg_env
 from tests.support.api import healthz, wait_healthy
 from tests.support.crash_loop import (
     MAIL_FROM,
@@ -59,7 +58,7 @@ from tests.support.crash_loop import (
     hang_up,
     send,
 )
-from tests.support.postgres import PostgresCluster, fetch
+from tests.support.postgres import PostgresCluster, fetch, pg_env
 from tests.support.service import ServiceProcess
 from tests.support.smtp import SmtpServer
 

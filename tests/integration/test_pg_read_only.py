@@ -8,9 +8,8 @@ from __future__ import annotations
 import aiohttp
 
 from tests.conftest import ServiceFactory
-from tests.postgres.conftest import pg_env
 from tests.support.api import create_products, healthz, wait_healthy
-from tests.support.postgres import PostgresCluster, fetch
+from tests.support.postgres import PostgresCluster, fetch, pg_env
 from tests.support.scrape import scrape
 
 STORE_DOWN = {"error": "storage is unavailable; try again shortly"}

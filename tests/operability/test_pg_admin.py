@@ -13,10 +13,10 @@ from service.models import JobState, NewJob
 from service.store.postgres import PostgresStore
 from service.store.postgres.admin import PURGE_DONE_SQL, list_jobs_sql
 from service.store.roles import QueueAdmin
-from tests.postgres.conftest import run_tool
+from tests.support.backends import FakeClock
 from tests.support.postgres import PostgresCluster, fetch
 from tests.support.service import free_port
-from tests.unit.conftest import FakeClock
+from tests.support.tools import run_tool
 
 
 @pytest.fixture

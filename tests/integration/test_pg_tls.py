@@ -16,8 +16,11 @@ from service.models import Product
 from service.store.base import StoreError
 from service.store.postgres import PostgresStore
 from service.tasks import product_email_job
-from tests.postgres.conftest import pg_env, run_tool
-from tests.support.postgres import PostgresCluster, fetch
+from tests.support.postgres import PostgresCluster, fetch, pg_env
+from tests.support.tools import run_tool
+
+# A cluster of its own, not pg_cluster: marked here, not by the fixture.
+pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture(scope="module")

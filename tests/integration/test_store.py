@@ -28,7 +28,7 @@ from service.store.sqlite.migrations import LATEST_VERSION, migrate
 from service.store.sqlite.products import create_products
 from service.store.sqlite.writer import GroupCommitWriter
 from service.tasks import HANDLERS, JobContext, product_email_job
-from tests.unit.conftest import Backend, FakeClock
+from tests.support.backends import Backend, FakeClock
 
 
 def email_job(product: Product) -> NewJob:

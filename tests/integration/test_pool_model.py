@@ -71,8 +71,8 @@ from service.tasks import (
     recap_email_job,
 )
 from service.workers import PoolConfig, WorkerPool
+from tests.support.backends import Backend, FakeClock
 from tests.support.smtp import SmtpServer
-from tests.unit.conftest import Backend, FakeClock
 
 SEEDS = range(int(os.environ.get("TOKO_POOL_MODEL_SEEDS", "3")))
 STEPS = int(os.environ.get("TOKO_POOL_MODEL_STEPS", "60"))

@@ -1,19 +1,14 @@
-"""Store and queue tests run twice: on SQLite and on a real PostgreSQL.
-
-The ``store`` fixture is parametrised by backend; ``backend`` gives a test what
-differs (how to look at the rows, how to break the database). SQLite-only
-tests (PRAGMAs, the file) use ``sqlite_store``.
-"""
+"""The store's backends as tests see them: a settable clock, and what differs
+between SQLite and PostgreSQL (how to look at the rows, how to break the
+database). The fixtures that make them are in tests/conftest.py."""
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, closing
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from service.store.postgres import PostgresStore
 from service.store.postgres.migrations import LATEST_VERSION as PG_LATEST
@@ -21,7 +16,7 @@ from service.store.roles import Store
 from service.store.sqlite import SqliteStore
 from service.store.sqlite.migrations import LATEST_VERSION as SQLITE_LATEST
 from tests.support.old_schema import make_postgres_at, make_sqlite_at
-from tests.support.postgres import PostgresCluster, acquire_cluster, fetch, release_cluster
+from tests.support.postgres import PostgresCluster, fetch
 
 
 class FakeClock:
@@ -32,11 +27,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
 
 
 class Backend:
@@ -180,38 +170,3 @@ class PostgresBackend(Backend):
                 await locked.rollback()
         finally:
             await conn.close()
-
-
-@pytest.fixture(scope="session")
-def pg_cluster() -> Iterator[PostgresCluster]:
-    cluster = acquire_cluster()
-    yield cluster
-    release_cluster()
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
-    if request.param == "sqlite":
-        yield SqliteBackend(tmp_path)
-        return
-    # Looked up here, so a run of SQLite tests alone never starts PostgreSQL.
-    cluster: PostgresCluster = request.getfixturevalue("pg_cluster")
-    url = await cluster.async_create_database()
-    yield PostgresBackend(cluster, url)
-    await cluster.async_drop_database(url)
-
-
-@pytest.fixture
-async def store(backend: Backend, clock: FakeClock) -> AsyncIterator[Store]:
-    s = backend.make_store(clock)
-    await s.open()
-    yield s
-    await s.close()
-
-
-@pytest.fixture
-async def sqlite_store(tmp_path: Path, clock: FakeClock) -> AsyncIterator[SqliteStore]:
-    s = SqliteStore(str(tmp_path / "toko.db"), clock=clock)
-    await s.open()
-    yield s
-    await s.close()

@@ -26,9 +26,9 @@ from service.store.postgres import PostgresStore
 from service.store.postgres.migrations import RECAP_LOCK_CLASS
 from service.store.postgres.transport import OPEN_RETRY_SECONDS
 from tests.operability.cli import utc_today
-from tests.postgres.conftest import clean_env, pg_env, run_tool, tool_command
-from tests.support.postgres import PostgresCluster, fetch
+from tests.support.postgres import PostgresCluster, fetch, pg_env
 from tests.support.service import free_port
+from tests.support.tools import clean_env, run_tool, tool_command
 
 STOPPED = "toko-recap: stopped by SIGTERM before it finished"
 
