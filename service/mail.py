@@ -1,8 +1,6 @@
 """Outgoing email: a real SMTP client, or the log when no server is configured.
 
-Every message carries a Message-ID derived from its job (id and enqueue time),
-identical on every retry, so a duplicate after a crash (delivery is
-at-least-once) is detectable.
+The message itself is service.mail_message; the EHLO name, service.mail_ehlo.
 When the server takes some recipients and defers others (4xx), the send raises
 ``RecipientsDeferred`` naming those left, so the retry goes to them alone.
 An SMTP connection is kept for the next email for a moment (mail_connections).
@@ -10,35 +8,24 @@ An SMTP connection is kept for the next email for a moment (mail_connections).
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
-import math
 import socket
 import ssl
-import threading
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from email.header import Header
-from email.headerregistry import BaseHeader, HeaderRegistry
+from collections.abc import Mapping
 from email.message import EmailMessage
-from email.policy import default as default_policy
-from email.utils import formatdate
 from typing import Protocol, TypeVar
 
 import aiosmtplib
 
 from service.mail_connections import Connection, ConnectionCache
+from service.mail_ehlo import EHLO_NAME, EhloName
+from service.mail_message import Email
 from service.settings import SmtpTarget
 
 log = logging.getLogger("toko.mail")
 
 # A reply that the server is closing the connection (RFC 5321, 3.8).
 SERVER_CLOSING = 421
-# How long looking up the host's name may hold up an email. A resolver that
-# does not answer takes 5 s per server and attempt (resolv.conf), often more.
-EHLO_LOOKUP_SECONDS = 3.0
 # The share of an attempt's time (TOKO_JOB_TIMEOUT) that reaching the server
 # may take: TCP, TLS on smtps://, the server's greeting. A server that never
 # answers (a firewall dropping the packets, an smtps:// port asked for plain
@@ -47,60 +34,6 @@ EHLO_LOOKUP_SECONDS = 3.0
 CONNECT_SHARE = 0.5
 # Where an admin puts the SMTP password, for messages that send them there.
 PASSWORD_PLACES = "the systemd credential 'smtp-password' or TOKO_SMTP_PASSWORD_FILE"
-
-
-class _HeaderClasses(HeaderRegistry):
-    """The email package's header registry, making each header's class once.
-
-    The stock one builds a new class (``type(...)``) for every header of
-    every message: a third of the CPU of building and flattening an email
-    (600 µs a message here, 400 µs with the classes kept), and garbage that
-    only the cycle collector frees. A header class holds no state of its own.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._made: dict[str, type[BaseHeader]] = {}
-
-    def __getitem__(self, name: str) -> type[BaseHeader]:
-        key = name.lower()
-        made = self._made.get(key)
-        if made is None:
-            made = self._made[key] = super().__getitem__(name)
-        return made
-
-    def map_to_type(self, name: str, cls: type[BaseHeader]) -> None:
-        super().map_to_type(name, cls)
-        self._made.pop(name.lower(), None)
-
-
-# email.policy.default, the EmailMessage default, with the classes kept.
-MESSAGE_POLICY = default_policy.clone(header_factory=_HeaderClasses())
-
-
-def encoded_subject(subject: str) -> str:
-    """``subject`` folded as the Subject header, in encoded words where it must be.
-
-    Not the email package's own folding (policy.default): where it splits a
-    long subject into several encoded words it drops or doubles a space, so
-    a long name arrived as another one. email.header.Header keeps every space
-    inside an encoded word; set_raw keeps its lines as they are.
-    """
-    # Plain text that looks like an encoded word ("=?utf-8?q?...") would be
-    # decoded by the reader.
-    if subject.isascii() and "=?" not in subject:
-        plain = Header(subject, "us-ascii", header_name="Subject").encode()
-        if _fits_unfolded(plain):
-            return plain
-        # A word too long for a line: the policy would fold it its own way.
-    return Header(subject, "utf-8", header_name="Subject").encode()
-
-
-def _fits_unfolded(folded: str) -> bool:
-    """Whether the policy sends ``folded``'s lines as they are (EmailPolicy._fold)."""
-    limit = MESSAGE_POLICY.max_line_length or math.inf
-    first, *rest = folded.splitlines() or [""]
-    return len("Subject: " + first) <= limit and all(len(line) <= limit for line in rest)
 
 
 class MailError(Exception):
@@ -118,67 +51,6 @@ class RecipientsDeferred(MailError):
     def __init__(self, message: str, deferred: tuple[str, ...]) -> None:
         super().__init__(message)
         self.deferred = deferred
-
-
-def message_id(job_id: int, job_created_at: float, mail_from: str) -> str:
-    """The Message-ID of a job's email, the same on every attempt of the job.
-
-    The id alone is not enough: a restore from backup hands the ids issued
-    since the backup out again, and a mailbox may drop a message whose
-    Message-ID it has seen. The job's enqueue time (whole milliseconds) tells
-    such a job from the one that had its id before.
-    """
-    domain = mail_from.rpartition("@")[2] or "localhost"
-    return f"<job-{job_id}.{math.floor(job_created_at * 1000)}@{domain}>"
-
-
-@dataclass(frozen=True)
-class Email:
-    job_id: int
-    job_created_at: float  # the job's enqueue time (Job.created_at)
-    mail_from: str
-    to: tuple[str, ...]
-    subject: str
-    body: str
-    # Structured log fields of the job behind this email (JOB_KIND, PRODUCT_ID, ...).
-    fields: Mapping[str, object] = field(default_factory=dict)
-    # Whom to send it to, when only some of ``to`` still need it (a server had
-    # deferred them). Empty: everyone in ``to``.
-    resend_to: tuple[str, ...] = ()
-
-    @property
-    def message_id(self) -> str:
-        return message_id(self.job_id, self.job_created_at, self.mail_from)
-
-    @property
-    def recipients(self) -> tuple[str, ...]:
-        """The envelope's recipients (RCPT TO)."""
-        return self.resend_to or self.to
-
-    def to_mime(self) -> EmailMessage:
-        msg = EmailMessage(policy=MESSAGE_POLICY)
-        msg["From"] = self.mail_from
-        msg["To"] = ", ".join(self.to)
-        # The email package refuses a header with a line break in it, and counts
-        # U+2028/U+2029 as ones: a subject is one line, whatever text it quotes.
-        msg.set_raw("Subject", encoded_subject(" ".join(self.subject.splitlines())))
-        msg["Date"] = formatdate(localtime=False, usegmt=True)
-        msg["Message-ID"] = self.message_id
-        msg["X-Toko-Job-Id"] = str(self.job_id)
-        msg.set_content(self.body)
-        return msg
-
-    def log_fields(self) -> dict[str, object]:
-        fields = {
-            **self.fields,
-            "JOB_ID": self.job_id,
-            "TO": ", ".join(self.to),
-            "SUBJECT": self.subject,
-            "MESSAGE_ID": self.message_id,
-        }
-        if self.resend_to:
-            fields["RESEND_TO"] = ", ".join(self.resend_to)
-        return fields
 
 
 class Mailer(Protocol):
@@ -213,84 +85,6 @@ def tls_context(verify: bool) -> ssl.SSLContext:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     return context
-
-
-class EhloName:
-    """The name this host gives in EHLO: its FQDN, looked up once.
-
-    aiosmtplib would look it up again for every connection: a lookup on a
-    thread that costs a seventh of an email's CPU, a DNS round trip where the
-    name is not in /etc/hosts, and no time limit. Here one lookup serves every
-    worker and email; a renamed host is picked up at the next start.
-
-    The lookup runs on a daemon thread of its own: with DNS broken it blocks
-    for as long as the resolver likes, and a thread of the default executor
-    would also hold up the process's exit (asyncio.run waits for those). An
-    email waits for it at most ``limit`` seconds from its start; after that,
-    this email and every later one say ``fallback()``, the short host name.
-    """
-
-    def __init__(
-        self,
-        lookup: Callable[[], str] = socket.getfqdn,
-        fallback: Callable[[], str] = socket.gethostname,
-        limit: float = EHLO_LOOKUP_SECONDS,
-    ) -> None:
-        self._lookup = lookup
-        self._fallback = fallback
-        self._limit = limit
-        self._name: str | None = None
-        self._found: concurrent.futures.Future[str] | None = None
-        self._deadline = 0.0
-
-    async def get(self) -> str:
-        if self._name is not None:
-            return self._name
-        found = asyncio.wrap_future(self._started())
-        remaining = max(0.0, self._deadline - time.monotonic())
-        done, _ = await asyncio.wait({found}, timeout=remaining)
-        if not done:
-            found.cancel()  # this wait only: the thread runs on, ignored
-            return self._settle(None, f"took over {self._limit:g} s")
-        error = found.exception()
-        if error is not None:
-            return self._settle(None, f"failed: {error}")
-        return self._settle(found.result(), "")
-
-    def _started(self) -> concurrent.futures.Future[str]:
-        if self._found is None:
-            self._found = concurrent.futures.Future()
-            # Running: a waiter that gives up cannot cancel it for the others.
-            self._found.set_running_or_notify_cancel()
-            self._deadline = time.monotonic() + self._limit
-            threading.Thread(
-                target=self._look_up, args=(self._found,), name="ehlo-name", daemon=True
-            ).start()
-        return self._found
-
-    def _look_up(self, found: concurrent.futures.Future[str]) -> None:
-        try:
-            found.set_result(self._lookup())
-        except Exception as exc:
-            found.set_exception(exc)
-
-    def _settle(self, name: str | None, problem: str) -> str:
-        # Emails waiting together all get here: the first decides, and logs.
-        if self._name is None:
-            if name is None:
-                name = self._fallback()
-                log.warning(
-                    "looking up this host's name for EHLO %s; saying %s instead",
-                    problem,
-                    name,
-                    extra={"EHLO_NAME": name},
-                )
-            self._name = name
-        return self._name
-
-
-# One per process: all workers' connections, however many mailers.
-EHLO_NAME = EhloName()
 
 
 class SmtpMailer:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from service.mail import Email, Mailer, RecipientsDeferred
+from service.mail import Mailer, RecipientsDeferred
+from service.mail_message import Email
 from service.models import Job, NewJob, PartlyDone, Product, job_fields
 
 PRODUCT_EMAIL = "product_email"

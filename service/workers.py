@@ -19,6 +19,11 @@ a job the pool still holds, whatever the wall clock did to its lease.
 An exception in a job fails that attempt only. A worker task that dies anyway
 is logged and replaced, up to a budget: a pool that keeps dying is reported
 dead, so /healthz turns 503 and the watchdog lets systemd restart us.
+
+One concern, kept in one module though past 500 lines: the claimer, the
+workers, the acker and stop share the pool's slots and the jobs it holds
+(``_held``), and each step of a job's life here hands it from one to the
+next; split, that state would travel between modules.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from service import workers
-from service.mail import Email
+from service.mail_message import Email
 from service.models import Job, NewJob, Product
 from service.store import postgres
 from service.store.base import StoreError

@@ -56,7 +56,8 @@ from typing import Any
 import pytest
 
 from service import workers
-from service.mail import EhloName, SmtpMailer
+from service.mail import SmtpMailer
+from service.mail_ehlo import EhloName
 from service.models import Job, NewJob, Product, stored_job
 from service.settings import SmtpTarget
 from service.store.base import ABANDONED_ERROR

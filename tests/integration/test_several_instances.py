@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from service.mail import message_id
+from service.mail_message import message_id
 from tests.conftest import ServiceFactory
 from tests.support.api import create_product
 from tests.support.postgres import PostgresCluster, fetch, pg_env

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from service import workers
-from service.mail import Email
+from service.mail_message import Email
 from service.models import Job, NewJob
 from service.settings import Settings
 from service.store import postgres

@@ -16,7 +16,7 @@ import pytest
 
 from jobs import recap
 from jobs.common import JobFailed
-from service.mail import message_id
+from service.mail_message import message_id
 from service.models import Product
 from service.settings import Settings
 from service.store.postgres import PostgresStore

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from service.mail import message_id
+from service.mail_message import message_id
 from tests.support.http import build_request
 from tests.support.service import ServiceProcess
 from tests.support.smtp import SmtpServer

@@ -16,16 +16,10 @@ from pathlib import Path
 import pytest
 import trustme
 
-from service.mail import (
-    EHLO_NAME,
-    EhloName,
-    Email,
-    MailError,
-    RecipientsDeferred,
-    SmtpMailer,
-    message_id,
-)
+from service.mail import MailError, RecipientsDeferred, SmtpMailer
 from service.mail_connections import REUSE_SECONDS, ConnectionCache
+from service.mail_ehlo import EHLO_NAME, EhloName
+from service.mail_message import Email, message_id
 from service.models import NewJob, Product, stored_job
 from service.settings import SmtpTarget
 from service.tasks import (
