@@ -18,7 +18,7 @@ import logging
 import socket
 import time
 
-from jobs.common import JobFailed, require_database, run_job
+from jobs.common import JobFailed, add_version, require_database, run_job
 from service.models import iso_utc
 from service.settings import ConfigError, Settings
 from service.store import open_store
@@ -78,20 +78,44 @@ def _main(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """toko-alert's options, the one source of its --help and its man page."""
     parser = argparse.ArgumentParser(
         prog="toko-alert",
         description=(
-            "Report a failed systemd unit: an error entry in the journal and an email "
-            "to TOKO_ADMIN_EMAIL (sent by toko-api)."
+            "Report a failed systemd unit: an error entry in the journal, with the unit in "
+            "the field UNIT= (journalctl -p err UNIT=toko-backup.service), and an email to "
+            "TOKO_ADMIN_EMAIL (sent by toko-api). systemd starts it as toko-alert@UNIT.service "
+            "when toko-recap or toko-backup fails (their OnFailure=); try it with: systemctl "
+            "start toko-alert@test.service"
         ),
     )
+    add_version(parser)
     parser.add_argument(
         "unit", metavar="UNIT", help="the unit that failed, e.g. toko-backup.service"
     )
     # systemd passes these to OnFailure= units as MONITOR_SERVICE_RESULT etc.;
     # the unit file hands them over as arguments (empty when unknown).
-    parser.add_argument("--result", default="", help="how it failed (exit-code, timeout, ...)")
-    parser.add_argument("--exit-code", default="", help="exited, killed, dumped, ...")
-    parser.add_argument("--exit-status", default="", help="the exit status or signal")
-    return run_job("toko-alert", parser, _main, without_settings=_without_settings)
+    parser.add_argument(
+        "--result",
+        default="",
+        metavar="RESULT",
+        help="how the unit failed: exit-code, timeout, watchdog, ... ($MONITOR_SERVICE_RESULT)",
+    )
+    parser.add_argument(
+        "--exit-code",
+        default="",
+        metavar="CODE",
+        help="how its process ended: exited, killed or dumped ($MONITOR_EXIT_CODE)",
+    )
+    parser.add_argument(
+        "--exit-status",
+        default="",
+        metavar="STATUS",
+        help="its exit status, or the signal that ended it ($MONITOR_EXIT_STATUS)",
+    )
+    return parser
+
+
+def main() -> int:
+    return run_job("toko-alert", build_parser(), _main, without_settings=_without_settings)

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from jobs import sqlite_backup
 from jobs.backup_files import print_backups
-from jobs.common import JobFailed, run_job, stop_on_sigterm
+from jobs.common import JobFailed, add_version, run_job, stop_on_sigterm
 from service.settings import Settings
+from service.settings_spec import VARIABLES
 
 
 def _sqlite(args: argparse.Namespace, settings: Settings) -> int:
@@ -73,15 +74,21 @@ def _main(args: argparse.Namespace, settings: Settings) -> int:
     return _postgres(args, settings) if settings.is_postgres else _sqlite(args, settings)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """toko-backup's options, the one source of its --help and its man page."""
+    keep = next(v.default for v in VARIABLES if v.name == "TOKO_BACKUP_KEEP")
     parser = argparse.ArgumentParser(
         prog="toko-backup",
         description=(
             "Write a verified, consistent backup of the toko database while toko-api runs, "
-            "keeping the newest TOKO_BACKUP_KEEP (default 7) in TOKO_BACKUP_DIR "
-            "(default: backups/ beside the database)."
+            f"keeping the newest TOKO_BACKUP_KEEP (default {keep}) in TOKO_BACKUP_DIR "
+            "(default: backups/ beside the database). toko-backup.timer starts it every "
+            "night, and after a boot when the host was off at that time (systemctl "
+            "list-timers). --list and --restore are for an admin, run with the service's user "
+            "and settings (systemd-run, README: Every day)."
         ),
     )
+    add_version(parser)
     action = parser.add_mutually_exclusive_group()
     action.add_argument(
         "--restore",
@@ -89,4 +96,8 @@ def main() -> int:
         help="replace the database with FILE (toko-api must be stopped)",
     )
     action.add_argument("--list", action="store_true", help="list the backups, oldest first")
-    return run_job("toko-backup", parser, _main)
+    return parser
+
+
+def main() -> int:
+    return run_job("toko-backup", build_parser(), _main)

@@ -22,6 +22,10 @@ from service.settings_checks import check_database_folder, user_name
 LOG_FLUSH_SECONDS = 30.0
 
 
+def add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+
+
 class JobFailed(Exception):
     """A timer job could not do its work; the message is the one line printed."""
 
@@ -112,7 +116,6 @@ def _run_job(
     body: Callable[[argparse.Namespace, Settings], int],
     without_settings: Callable[[argparse.Namespace, ConfigError], str] | None,
 ) -> int:
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     args = parser.parse_args()
     try:
         settings = Settings.from_env(os.environ)

@@ -92,7 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Inspect and repair the toko job queue.",
+        description=(
+            "Inspect and repair the toko job queue, in the database directly, with the "
+            "service's settings: the jobs by state, one job in full, failed jobs run again, "
+            "old done ones deleted. A retried job goes to the running toko-api's workers "
+            "within a second."
+        ),
         epilog=(
             f"environment: as toko-api's; {DEFAULT_ENV_FILE} is read when it exists and "
             "TOKO_DATABASE is not set. Run as the service user: sudo -u toko toko-queue stats "
@@ -109,20 +114,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-env-file", action="store_true", help="use only the current environment"
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
     sub.add_parser("stats", parents=[common], help="jobs by state and kind")
     listing = sub.add_parser("list", parents=[common], help="jobs in one state, newest first")
-    listing.add_argument("--state", choices=JOB_STATES, required=True)
-    listing.add_argument("--limit", type=_limit, default=50, help="at most N jobs (default 50)")
+    listing.add_argument(
+        "--state", choices=JOB_STATES, required=True, help="the jobs in this state"
+    )
+    listing.add_argument(
+        "--limit", type=_limit, default=50, metavar="N", help="at most N jobs (default 50)"
+    )
     show = sub.add_parser("show", parents=[common], help="one job in full")
-    show.add_argument("id", type=_job_id, metavar="ID")
+    show.add_argument("id", type=_job_id, metavar="ID", help="the job's id, as list shows it")
     retry = sub.add_parser(
         "retry",
         parents=[common],
         help="run failed jobs, or jobs waiting to retry, now with a fresh attempt budget",
     )
     which = retry.add_mutually_exclusive_group(required=True)
-    which.add_argument("ids", type=_job_id, nargs="*", default=[], metavar="ID")
+    which.add_argument(
+        "ids", type=_job_id, nargs="*", default=[], metavar="ID", help="the jobs with these ids"
+    )
     which.add_argument("--all-failed", action="store_true", help="every failed job")
     which.add_argument(
         "--all-waiting",

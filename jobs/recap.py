@@ -22,7 +22,14 @@ import time
 from collections.abc import Iterator
 from datetime import date, datetime, timedelta
 
-from jobs.common import JobFailed, Stopped, require_database, run_job, stop_on_sigterm
+from jobs.common import (
+    JobFailed,
+    Stopped,
+    add_version,
+    require_database,
+    run_job,
+    stop_on_sigterm,
+)
 from jobs.retention import prune_done_jobs
 from service.settings import Settings
 from service.store import open_store
@@ -241,14 +248,20 @@ def _main(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """toko-recap's options, the one source of its --help and its man page."""
     parser = argparse.ArgumentParser(
         prog="toko-recap",
         description=(
             "Record the product recap for each day not yet recorded (at most the last"
-            f" {CATCH_UP_DAYS}; the first run: yesterday) and queue its email to the admin."
+            f" {CATCH_UP_DAYS}; the first run: yesterday) and queue its email to the admin,"
+            " then prune done jobs older than TOKO_JOB_RETENTION. toko-recap.timer starts it"
+            " every day, and after a boot when the host was off at that time"
+            " (systemctl list-timers); a day already recorded, by this host or another, is"
+            " not recorded or emailed again."
         ),
     )
+    add_version(parser)
     parser.add_argument(
         "--period",
         type=parse_period,
@@ -256,4 +269,8 @@ def main() -> int:
         help="the one day to recap, once it is over (default: the days since the last"
         " recorded one up to yesterday, host time zone)",
     )
-    return run_job("toko-recap", parser, _main)
+    return parser
+
+
+def main() -> int:
+    return run_job("toko-recap", build_parser(), _main)

@@ -7,9 +7,17 @@ import logging
 import os
 import signal
 import sys
+import textwrap
+from collections.abc import Iterable, Mapping
 from types import FrameType
 
 from service import __version__
+from service.check_config import (
+    API_CREDENTIALS,
+    DEFAULT_CREDENTIALS_DIR,
+    UNIT_CREDENTIALS,
+    unit_environment,
+)
 from service.logs import setup_logging
 from service.settings import ConfigError, Settings, check_for_api
 from service.settings_checks import check_database_folder
@@ -17,11 +25,27 @@ from service.settings_doc import help_epilog
 from service.store.base import StoreError
 from service.store.lock import InstanceLock, InstanceLocked
 
+DESCRIPTION = textwrap.fill(
+    "toko product API with a durable email job queue: POST /produk stores a product "
+    "and its email job in one transaction, and this process's workers send the emails, "
+    "with retries. Under systemd, toko-api.service runs it (Type=notify, with a "
+    "watchdog) on the socket of toko-api.socket, with the settings of /etc/toko/toko.env: "
+    "systemctl status toko-api, journalctl -u toko-api.",
+    79,
+    break_on_hyphens=False,
+)
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+
+def _names(names: Iterable[str]) -> str:
+    *rest, last = names
+    return f"{', '.join(rest)} and {last}" if rest else last
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """toko-api's options, the one source of its --help and its man page."""
     parser = argparse.ArgumentParser(
         prog="toko-api",
-        description="toko product API with a durable email job queue.",
+        description=DESCRIPTION,
         epilog=help_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -29,9 +53,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--check-config",
         action="store_true",
-        help="validate the configuration and exit",
+        help="check the settings as start-up does, print one line and exit: 0 when they are "
+        "valid, 2 naming the first bad variable",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--env-file",
+        metavar="PATH",
+        help="with --check-config: check the settings of PATH (/etc/toko/toko.env) as "
+        "toko-api.service's EnvironmentFile= reads them (the shell's TOKO_ variables do not "
+        "count), and the credentials the unit loads",
+    )
+    parser.add_argument(
+        "--credentials-dir",
+        metavar="DIR",
+        help=f"with --env-file: the folder of the files the units' LoadCredential= lines "
+        f"load, each named as its credential (default {DEFAULT_CREDENTIALS_DIR}): "
+        f"{_names(UNIT_CREDENTIALS)}, which toko-api.service loads, must be there; "
+        f"{_names(c for c in API_CREDENTIALS if c not in UNIT_CREDENTIALS)} are read where "
+        "they are (loaded by a drop-in); none may be readable by every user",
+    )
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Only a check: the service itself gets its environment from systemd.
+    if args.env_file is not None and not args.check_config:
+        parser.error("--env-file goes with --check-config")
+    if args.credentials_dir is not None and args.env_file is None:
+        parser.error("--credentials-dir goes with --env-file")
+    return args
 
 
 class StopSignals:
@@ -59,8 +111,13 @@ class StopSignals:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    checked = ""
     try:
-        settings = Settings.from_env(os.environ)
+        environ: Mapping[str, str] = os.environ
+        if args.env_file is not None:
+            unit = unit_environment(os.environ, args.env_file, args.credentials_dir)
+            environ, checked = unit.environ, f": {unit.checked()}"
+        settings = Settings.from_env(environ)
         check_for_api(settings)
         check_database_folder(settings)
     except ConfigError as exc:
@@ -70,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         if unknown:
             print(f"toko-api: warning: {unknown}", file=sys.stderr)
-        print("toko-api: configuration is valid")
+        print(f"toko-api: configuration is valid{checked}")
         return 0
     stop_signals = StopSignals()
     # Imported here, not at the top: --version, --help and --check-config

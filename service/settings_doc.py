@@ -163,6 +163,11 @@ def _stale() -> list[Path]:
     return stale
 
 
+# The same words for the man pages (service.manpages) as for the help and the env example.
+plain_text = _plain
+default_words = _default_words
+
+
 def main(argv: list[str]) -> int:
     command = argv[0] if len(argv) == 1 else ""
     if command == "env-example":
