@@ -29,10 +29,10 @@ from typing import Any
 
 from jobs import queue_tables
 from jobs.common import anothers_database
-from jobs.env_file import DEFAULT_ENV_FILE, EnvFileError, cli_environment
 from jobs.stale_settings import stale_settings_warning
 from service import __version__
 from service.durations import parse_duration
+from service.env_file import DEFAULT_ENV_FILE, EnvFileError, cli_environment
 from service.models import JOB_STATES, iso_utc
 from service.settings import ConfigError, Settings
 from service.store import open_store

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from service.env_file import EnvFileError, cli_environment
 from service.settings_parsers import ConfigError
 from service.settings_spec import VARIABLES
 
@@ -53,9 +54,6 @@ def unit_environment(
     The shell's own TOKO_ variables are left out: the service does not get
     them, and one of them must not hide a bad line of the file.
     """
-    # The reader toko-queue uses for the same file (both ship in one package).
-    from jobs.env_file import EnvFileError, cli_environment
-
     folder = Path(credentials_dir) if credentials_dir else DEFAULT_CREDENTIALS_DIR
     if not os.access(env_file, os.R_OK) and os.path.exists(env_file):
         # cli_environment's hint (sudo -u toko) is toko-queue's: this check

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobs import alert, backup, queue_admin, recap
-from jobs.env_file import DEFAULT_ENV_FILE, INSTALLED_STATE_DIRECTORY
 from service import __version__, cli
 from service.check_config import DEFAULT_CREDENTIALS_DIR, UNIT_CREDENTIALS
+from service.env_file import DEFAULT_ENV_FILE, INSTALLED_STATE_DIRECTORY
 from service.settings_doc import default_words, documented, help_epilog, plain_text
 from service.settings_spec import PROGRAMS, VARIABLES, Variable
 

@@ -13,8 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from jobs import env_file, queue_admin
-from service import __version__
+from jobs import queue_admin
+from service import __version__, env_file
 from service.models import NewJob
 from service.store.sqlite import SqliteStore
 from service.store.sqlite.migrations import LATEST_VERSION

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.env_file import EnvFileError, parse_env_file
+from service.env_file import EnvFileError, parse_env_file
 
 AS_SYSTEMD_READS_IT: dict[str, dict[str, str]] = {
     "A=1\n": {"A": "1"},

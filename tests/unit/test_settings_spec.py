@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.env_file import parse_env_file
 from service import cli, settings_doc
+from service.env_file import parse_env_file
 from service.settings import ConfigError, Settings
 from service.settings_spec import PROGRAMS, VARIABLES, Variable
 
