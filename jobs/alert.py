@@ -32,7 +32,7 @@ async def enqueue_alert(settings: Settings, failure: UnitFailure) -> int:
     store = open_store(settings, application_name="toko-alert")
     await store.open()
     try:
-        return await store.enqueue(alert_email_job(failure, settings.job_max_attempts))
+        return await store.enqueue(alert_email_job(failure, settings.jobs.max_attempts))
     finally:
         await store.close()
 
@@ -67,10 +67,10 @@ def _without_settings(args: argparse.Namespace, exc: ConfigError) -> str:
 def _main(args: argparse.Namespace, settings: Settings) -> int:
     failure = _log_failure(args)
     try:
-        if not settings.is_postgres:
+        if not settings.store.is_postgres:
             # As toko-recap does: an email queued into a new, empty database
             # would never be sent, yet the run would say it was queued.
-            require_database(settings.database)
+            require_database(settings.store.database)
         job_id = asyncio.run(enqueue_alert(settings, failure))
     except (JobFailed, StoreError) as exc:
         raise JobFailed(f"could not queue the alert email for {failure.unit}: {exc}") from exc

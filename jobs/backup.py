@@ -22,17 +22,17 @@ from service.settings_spec import VARIABLES
 
 
 def _sqlite(args: argparse.Namespace, settings: Settings) -> int:
-    folder = Path(settings.backup_dir)
+    folder = Path(settings.backup.dir)
     try:
         if args.list:
             print_backups(folder, sqlite_backup.SUFFIX)
         elif args.restore:
-            kept = sqlite_backup.restore(settings.database, Path(args.restore))
-            print(f"restored {args.restore} into {settings.database}")
+            kept = sqlite_backup.restore(settings.store.database, Path(args.restore))
+            print(f"restored {args.restore} into {settings.store.database}")
             if kept:
                 print(f"the previous database is kept as {kept}")
         else:
-            print(sqlite_backup.make_backup(settings.database, folder, settings.backup_keep))
+            print(sqlite_backup.make_backup(settings.store.database, folder, settings.backup.keep))
     except (OSError, sqlite3.Error) as exc:
         raise JobFailed(str(exc)) from exc
     return 0
@@ -40,11 +40,11 @@ def _sqlite(args: argparse.Namespace, settings: Settings) -> int:
 
 def _postgres_folder(settings: Settings) -> Path:
     # The default beside the SQLite file means nothing for a URL.
-    if settings.backup_dir.startswith(("postgresql:", "postgres:")):
+    if settings.backup.dir.startswith(("postgresql:", "postgres:")):
         raise JobFailed(
             "set TOKO_BACKUP_DIR (where backups go) when TOKO_DATABASE is a PostgreSQL URL"
         )
-    return Path(settings.backup_dir)
+    return Path(settings.backup.dir)
 
 
 def _postgres(args: argparse.Namespace, settings: Settings) -> int:
@@ -59,11 +59,11 @@ def _postgres(args: argparse.Namespace, settings: Settings) -> int:
             print_backups(folder, pg_backup.SUFFIX)
         elif args.restore:
             kept = pg_backup.restore(settings, Path(args.restore), folder)
-            print(f"restored {args.restore} into {redact(settings.database)}")
+            print(f"restored {args.restore} into {redact(settings.store.database)}")
             if kept:
                 print(f"the previous contents are kept as {kept}")
         else:
-            print(pg_backup.make_backup(settings, folder, settings.backup_keep))
+            print(pg_backup.make_backup(settings, folder, settings.backup.keep))
     except (OSError, subprocess.SubprocessError) as exc:
         raise JobFailed(str(exc)) from exc
     return 0
@@ -71,7 +71,7 @@ def _postgres(args: argparse.Namespace, settings: Settings) -> int:
 
 def _main(args: argparse.Namespace, settings: Settings) -> int:
     stop_on_sigterm()
-    return _postgres(args, settings) if settings.is_postgres else _sqlite(args, settings)
+    return _postgres(args, settings) if settings.store.is_postgres else _sqlite(args, settings)
 
 
 def build_parser() -> argparse.ArgumentParser:

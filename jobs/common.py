@@ -13,7 +13,7 @@ from types import FrameType
 
 from service import __version__
 from service.logs import setup_logging, stop_waiting_for_journald
-from service.settings import ConfigError, Settings, output_is_journal
+from service.settings import ConfigError, LogSettings, Settings, output_is_journal
 from service.settings_checks import check_database_folder, user_name
 
 # How long a job's exit waits for a journald that does not read (stopped,
@@ -123,9 +123,9 @@ def _run_job(
     except ConfigError as exc:
         # Logged with the default settings: under systemd the stderr line alone
         # is an info-priority entry that `journalctl -p err` never shows.
-        defaults = Settings(journal=output_is_journal(os.environ.get("JOURNAL_STREAM")))
+        defaults = LogSettings(journal=output_is_journal(os.environ.get("JOURNAL_STREAM")))
         setup_logging(
-            defaults.log_level,
+            defaults.level,
             journal=defaults.journal,
             identifier=name,
             flush_timeout=LOG_FLUSH_SECONDS,
@@ -135,8 +135,8 @@ def _run_job(
         print(f"{name}: {message}", file=sys.stderr)
         return 2
     setup_logging(
-        settings.log_level,
-        journal=settings.journal,
+        settings.log.level,
+        journal=settings.log.journal,
         identifier=name,
         flush_timeout=LOG_FLUSH_SECONDS,
     )
@@ -144,7 +144,9 @@ def _run_job(
     if unknown:
         logging.getLogger(f"toko.{name}").warning("%s", unknown)
     try:
-        owner = None if settings.is_postgres else anothers_database(Path(settings.database))
+        owner = (
+            None if settings.store.is_postgres else anothers_database(Path(settings.store.database))
+        )
         if owner:
             # Not "sudo -u": a job reads no toko.env itself, so it would run
             # without the service's settings (another database, even).

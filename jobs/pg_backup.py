@@ -59,7 +59,7 @@ def _tool_env(settings: Settings) -> dict[str, str]:
     # The password goes to the tools through their environment, never argv (ps shows argv).
     env = dict(os.environ)
     env["PGAPPNAME"] = "toko-backup"
-    password = without_password(settings.database)[1] or settings.database_password
+    password = without_password(settings.store.database)[1] or settings.store.database_password
     if password is not None:
         env["PGPASSWORD"] = password
     return env
@@ -73,7 +73,7 @@ def _dbname(settings: Settings) -> str:
     reads in ps and /proc/PID/cmdline; it reaches them in PGPASSWORD instead
     (and wins there, as it did in the URL).
     """
-    return without_password(settings.database)[0]
+    return without_password(settings.store.database)[0]
 
 
 def _one_line(output: str) -> str:
@@ -100,7 +100,7 @@ def _run(
     )
     if result.returncode != 0:
         tool = Path(args[0]).name
-        detail = _one_line(result.stderr or result.stdout).replace(settings.database, "…")
+        detail = _one_line(result.stderr or result.stdout).replace(settings.store.database, "…")
         raise JobFailed(f"{tool} failed ({result.returncode}): {detail[-2000:]}")
     return result
 
@@ -230,12 +230,12 @@ async def _restore(
 ) -> Path | None:
     try:
         conn = await asyncpg.connect(
-            settings.database,
-            password=settings.database_password,
+            settings.store.database,
+            password=settings.store.database_password,
             server_settings={"application_name": "toko-backup"},
         )
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        raise JobFailed(f"cannot connect to {redact(settings.database)}: {exc}") from exc
+        raise JobFailed(f"cannot connect to {redact(settings.store.database)}: {exc}") from exc
     try:
         # The lock below lasts as long as this session, idle while pg_dump and
         # pg_restore run: an idle_session_timeout set for the role or database

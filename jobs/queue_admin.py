@@ -243,9 +243,9 @@ def _sqlite_file_problem(database: Path) -> str | None:
 
 
 def _store_hint(settings: Settings, exc: StoreError) -> str | None:
-    if not settings.is_postgres:
+    if not settings.store.is_postgres:
         return f"run as the service user: sudo -u toko {PROG} ..."
-    if settings.database_password is None and isinstance(exc, LoginRefused):
+    if settings.store.database_password is None and isinstance(exc, LoginRefused):
         return PG_HINT
     # Which local user asks makes no difference to a password login, and a
     # password does not bring a server up: the error itself says what went
@@ -291,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     stale = None if args.env_file or args.no_env_file else stale_settings_warning(DEFAULT_ENV_FILE)
     if stale:
         print(f"{PROG}: warning: {stale}", file=sys.stderr)
-    if not settings.is_postgres:
-        problem = _sqlite_file_problem(Path(settings.database))
+    if not settings.store.is_postgres:
+        problem = _sqlite_file_problem(Path(settings.store.database))
         if problem:
             print(f"{PROG}: {problem}", file=sys.stderr)
             return 1

@@ -134,7 +134,7 @@ async def _shared_today(store: Store, today: date) -> date:
 async def _record_day(store: Store, settings: Settings, day: date) -> int | None:
     start, end = period_bounds(day)
     total, new = await store.product_counts(start, end)
-    job = recap_email_job(day.isoformat(), total, new, settings.job_max_attempts)
+    job = recap_email_job(day.isoformat(), total, new, settings.jobs.max_attempts)
     job_id = await store.record_recap(day.isoformat(), total, new, job)
     fields = {"PERIOD": day.isoformat(), "PRODUCTS_TOTAL": total, "PRODUCTS_NEW": new}
     if job_id is None:
@@ -224,7 +224,7 @@ async def record(
                     if stop.requested:
                         raise Stopped(_what_was_done(days, recorded))
                 # After the recaps, so a pruning problem never costs a period its recap.
-                await prune_done_jobs(store, settings.job_retention, now or time.time())
+                await prune_done_jobs(store, settings.jobs.retention, now or time.time())
             finally:
                 await store.close()
         except asyncio.CancelledError:
@@ -239,8 +239,8 @@ def _main(args: argparse.Namespace, settings: Settings) -> int:
     today = datetime.now().astimezone().date()
     if args.period:
         require_ended(args.period, today)
-    if not settings.is_postgres:
-        require_database(settings.database)
+    if not settings.store.is_postgres:
+        require_database(settings.store.database)
     try:
         asyncio.run(record(settings, args.period, today))
     except StoreError as exc:

@@ -40,21 +40,21 @@ EXTEND_CLOSE_SECONDS = 15.0
 
 
 def make_mailer(settings: Settings) -> Mailer:
-    if settings.smtp is None:
+    if settings.mail.smtp is None:
         return LogMailer()
     # The SMTP timeout stays inside the job timeout so a hung server fails the attempt.
-    return SmtpMailer(settings.smtp, timeout=settings.job_timeout)
+    return SmtpMailer(settings.mail.smtp, timeout=settings.jobs.timeout)
 
 
 def create_app(settings: Settings, notifier: Notifier | None = None) -> web.Application:
     metrics = Metrics(kinds=HANDLERS)
     # Outermost first: metrics see every answer, including the JSON errors and 401s.
     middlewares = [metrics.middleware, json_errors]
-    auth = bearer_auth(settings.api_token)
+    auth = bearer_auth(settings.http.api_token)
     if auth is not None:
         middlewares.append(auth)
     app = web.Application(
-        client_max_size=settings.max_body_bytes,
+        client_max_size=settings.http.max_body_bytes,
         middlewares=middlewares,
         # Compressed bodies are decoded by the handler (routes.decoded_body):
         # aiohttp does not check that a gzip body ends (its CRC-32 and length),
@@ -99,11 +99,11 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     mailer = make_mailer(settings)
-    context = JobContext(mailer, settings.mail_from, settings.admin_emails)
+    context = JobContext(mailer, settings.mail.sender, settings.mail.admin_emails)
     config = PoolConfig(
-        workers=settings.workers,
-        job_timeout=settings.job_timeout,
-        backoff_base=settings.job_backoff,
+        workers=settings.jobs.workers,
+        job_timeout=settings.jobs.timeout,
+        backoff_base=settings.jobs.backoff,
     )
     pool = WorkerPool(app[STORE], context, HANDLERS, config, observer=app[METRICS])
     app[STORE].add_wakeup_listener(pool.notify)
@@ -115,7 +115,7 @@ async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
     def still_stopping(status: str) -> None:
         notifier.extend_timeout(EXTEND_STOP_SECONDS, status)
 
-    left = await pool.stop(settings.drain_timeout, still_stopping)
+    left = await pool.stop(settings.jobs.drain_timeout, still_stopping)
     await mailer.close()  # after the last job: a QUIT to each idle SMTP connection
     if left:
         log.warning(

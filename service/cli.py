@@ -135,12 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     from service.runner import run
     from service.systemd import SocketActivationError
 
-    setup_logging(settings.log_level, journal=settings.journal, identifier="toko-api")
+    setup_logging(settings.log.level, journal=settings.log.journal, identifier="toko-api")
     log = logging.getLogger("toko")
     if unknown:
         log.warning("%s", unknown, extra={"UNKNOWN_SETTINGS": " ".join(settings.unknown_variables)})
     # The lock guards a SQLite file; a shared database has many instances by design.
-    lock = InstanceLock(settings.database) if not settings.is_postgres else None
+    lock = InstanceLock(settings.store.database) if not settings.store.is_postgres else None
     try:
         if lock is not None:
             lock.acquire()
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"toko-api: another toko-api uses this database: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"toko-api: cannot use {settings.database}: {exc}", file=sys.stderr)
+        print(f"toko-api: cannot use {settings.store.database}: {exc}", file=sys.stderr)
         return 1
     try:
         return run(settings, lambda: stop_signals.asked)
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         log.critical("cannot start: %s", exc)
         print(
-            f"toko-api: cannot listen on {settings.listen_host}:{settings.listen_port} "
+            f"toko-api: cannot listen on {settings.http.host}:{settings.http.port} "
             f"(TOKO_LISTEN): {exc}",
             file=sys.stderr,
         )

@@ -41,7 +41,7 @@ def _http_error_message(request: web.Request, exc: web.HTTPException) -> str:
         expect = shortened(request.headers.get(hdrs.EXPECT, ""))
         return f"Expect: {expect} is not supported; send 'Expect: 100-continue' or none"
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return body_too_large(request.app[SETTINGS].max_body_bytes)
+        return body_too_large(request.app[SETTINGS].http.max_body_bytes)
     return exc.reason
 
 

@@ -61,7 +61,7 @@ def listening_sockets(settings: Settings) -> tuple[list[socket.socket], str]:
     passed = passed_listen_sockets()
     if passed:
         names = ", ".join(str(sock.getsockname()) for sock in passed)
-        if settings.listen_given:
+        if settings.http.listen_given:
             # The installed units listen through toko-api.socket: an address in
             # toko.env would otherwise look applied, and be ignored without a word.
             log.warning(
@@ -70,7 +70,7 @@ def listening_sockets(settings: Settings) -> tuple[list[socket.socket], str]:
                 names,
             )
         return passed, f"{names} (socket activation)"
-    host, port = settings.listen_host, settings.listen_port
+    host, port = settings.http.host, settings.http.port
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
     return [sock], f"{host}:{port}"

@@ -44,7 +44,7 @@ async def create_product(request: web.Request) -> web.Response:
     key = idempotency_key(request.headers.getall(IDEMPOTENCY_KEY, ()))
     data = parse_json_object(await _json_body(request))
     nama, harga = validate_new_product(data)
-    max_attempts = request.app[SETTINGS].job_max_attempts
+    max_attempts = request.app[SETTINGS].jobs.max_attempts
     store = request.app[STORE]
 
     async def write(leased_for: float | None) -> tuple[Product, Job | None]:
@@ -108,7 +108,7 @@ async def _json_body(request: web.Request) -> bytes:
     # The connection then closes once aiohttp has read and dropped what does
     # arrive (its lingering close, 10 s at most): closing on unread data would
     # send a reset that can reach the client before the 413 does.
-    limit = request.app[SETTINGS].max_body_bytes
+    limit = request.app[SETTINGS].http.max_body_bytes
     if coding in ("", "identity") and (request.content_length or 0) > limit:
         too_large = json_error(413, body_too_large(limit))
         too_large.force_close()
@@ -120,7 +120,7 @@ async def _json_body(request: web.Request) -> bytes:
     # Every check that needs no body has passed (the token's too, in its
     # middleware): only now is a client that waits for it asked to send it.
     await continue_if_awaited(request)
-    timeout = request.app[SETTINGS].client_timeout
+    timeout = request.app[SETTINGS].http.client_timeout
     try:
         async with asyncio.timeout(timeout):
             body = await request.read()

@@ -50,7 +50,7 @@ def _not_asked() -> bool:
 async def serve(settings: Settings, stop_asked: Callable[[], bool] = _not_asked) -> None:
     """Run toko-api until SIGTERM or SIGINT; ``stop_asked()`` tells whether one
     came already, before the event loop's handlers were in place."""
-    notifier = Notifier(settings.notify_socket)
+    notifier = Notifier(settings.systemd.notify_socket)
     app = create_app(settings, notifier)
     # aiohttp's keep-alive timer also closes a connection that has not sent a
     # whole request in that time (nothing, or headers trickled a byte at a
@@ -61,7 +61,7 @@ async def serve(settings: Settings, stop_asked: Callable[[], bool] = _not_asked)
         handle_signals=False,
         access_log=None,
         shutdown_timeout=REQUEST_GRACE_SECONDS,
-        keepalive_timeout=settings.client_timeout,
+        keepalive_timeout=settings.http.client_timeout,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -85,7 +85,7 @@ async def serve(settings: Settings, stop_asked: Callable[[], bool] = _not_asked)
         sockets, address = listening_sockets(settings)
         await start_serving(runner, sockets)
         pool = app[POOL]
-        if settings.fault_injection:
+        if settings.faults.injection:
             _install_fault_injection(loop, pool, settings)
         # Figures the store cannot give now do not undo a start-up that
         # opened it: ready, saying so, as the status loop would.
@@ -96,9 +96,9 @@ async def serve(settings: Settings, stop_asked: Callable[[], bool] = _not_asked)
             "ready",
             extra={
                 "LISTEN": address,
-                "WORKERS": settings.workers,
+                "WORKERS": settings.jobs.workers,
                 "STARTUP_MS": round((time.monotonic() - started) * 1000, 1),
-                "MAILER": "smtp" if settings.smtp else "log",
+                "MAILER": "smtp" if settings.mail.smtp else "log",
                 "OPEN_FILES_LIMIT": open_files,
             },
         )
@@ -108,10 +108,10 @@ async def serve(settings: Settings, stop_asked: Callable[[], bool] = _not_asked)
             # better a restart by systemd than a service stuck answering 503.
             asyncio.create_task(app[STORE].wait_broken(), name="toko-store"),
         ]
-        if settings.watchdog_interval:
+        if settings.systemd.watchdog_interval:
             side_tasks.append(
                 asyncio.create_task(
-                    _watchdog_loop(pool, notifier, settings.watchdog_interval),
+                    _watchdog_loop(pool, notifier, settings.systemd.watchdog_interval),
                     name="toko-watchdog",
                 )
             )
@@ -233,9 +233,9 @@ def _install_fault_injection(
     def block() -> None:
         log.warning(
             "fault injection: blocking the event loop",
-            extra={"SECONDS": settings.fault_block_seconds},
+            extra={"SECONDS": settings.faults.block_seconds},
         )
-        time.sleep(settings.fault_block_seconds)
+        time.sleep(settings.faults.block_seconds)
 
     loop.add_signal_handler(signal.SIGUSR1, pool.kill_one_worker)
     loop.add_signal_handler(signal.SIGUSR2, block)

@@ -1,4 +1,6 @@
-"""Configuration: built once from the environment, then passed around frozen.
+"""Configuration: built once from the environment, then passed around frozen,
+one group per concern (``settings.http``, ``.store``, ``.mail``, ``.jobs``,
+``.backup``, ``.log``, ``.systemd``, ``.faults``).
 
 Nothing else in the service reads ``os.environ``; a bad value stops start-up
 with one line that names the variable. Each TOKO_ variable is declared once,
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from service.settings_parsers import ConfigError, SmtpTarget, is_postgres_url
 from service.settings_spec import (
@@ -26,71 +29,137 @@ from service.validation import ascii_int
 
 __all__ = [
     "KNOWN_VARIABLES",
+    "BackupSettings",
     "ConfigError",
+    "FaultSettings",
+    "HttpSettings",
+    "JobSettings",
+    "LogSettings",
+    "MailSettings",
     "Settings",
     "SmtpTarget",
+    "StoreSettings",
+    "SystemdSettings",
     "check_for_api",
     "output_is_journal",
 ]
 
 
 @dataclass(frozen=True)
-class Settings:
-    # The fields the TOKO_ variables set take their defaults from the spec.
-    listen_host: str = DEFAULTS["listen_host"]
-    listen_port: int = DEFAULTS["listen_port"]
-    database: str = DEFAULTS["database"]
-    # PostgreSQL password when not in the URL: systemd credential or file, never env.
-    database_password: str | None = field(default=DEFAULTS["database_password"], repr=False)
-    smtp: SmtpTarget | None = DEFAULTS["smtp"]
-    # Everyone told about new products, recaps and alerts: one email to all.
-    admin_emails: tuple[str, ...] = DEFAULTS["admin_emails"]
-    mail_from: str = DEFAULTS["mail_from"]
-    workers: int = DEFAULTS["workers"]
-    # With the default backoff, between 4.6 and 9 hours of retries (the delay
-    # doubles from 2 s up to an hour): a mail outage of a few hours ends with
-    # every email delivered, not kept as failed for someone to retry by hand.
-    job_max_attempts: int = DEFAULTS["job_max_attempts"]
-    job_backoff: float = DEFAULTS["job_backoff"]
-    job_timeout: float = DEFAULTS["job_timeout"]
-    drain_timeout: float = DEFAULTS["drain_timeout"]
-    # How long an HTTP client may take to send a request (from connecting, or
-    # from the last answer on a kept-alive connection) and then its body.
-    client_timeout: float = DEFAULTS["client_timeout"]
-    log_level: str = DEFAULTS["log_level"]
-    # Not configurable.
-    max_body_bytes: int = 64 * 1024
-    backup_dir: str = DEFAULTS["backup_dir"]
-    backup_keep: int = DEFAULTS["backup_keep"]
-    # Bearer token for writes (systemd credential api-token or TOKO_API_TOKEN_FILE).
-    # None: writes are open (development). Kept out of repr so it never reaches a log.
-    api_token: str | None = field(default=DEFAULTS["api_token"], repr=False)
-    # Done jobs older than this are pruned by toko-recap.
-    job_retention: float = DEFAULTS["job_retention"]
-    # systemd's environment contract, read here so the rest stays pure.
-    notify_socket: str | None = None
-    watchdog_interval: float | None = None
-    journal: bool = False
-    fault_injection: bool = DEFAULTS["fault_injection"]
-    fault_block_seconds: float = DEFAULTS["fault_block_seconds"]
-    # TOKO_ variables set but read by nothing: see unknown_variables_line().
-    unknown_variables: tuple[str, ...] = ()
+class HttpSettings:
+    host: str = DEFAULTS["http.host"]
+    port: int = DEFAULTS["http.port"]
     # Whether TOKO_LISTEN was set: socket activation then overrides it (listener).
     listen_given: bool = False
+    # How long an HTTP client may take to send a request (from connecting, or
+    # from the last answer on a kept-alive connection) and then its body.
+    client_timeout: float = DEFAULTS["http.client_timeout"]
+    # Not configurable.
+    max_body_bytes: int = 64 * 1024
+    # Bearer token for writes (systemd credential api-token or TOKO_API_TOKEN_FILE).
+    # None: writes are open (development). Kept out of repr so it never reaches a log.
+    api_token: str | None = field(default=DEFAULTS["http.api_token"], repr=False)
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    database: str = DEFAULTS["store.database"]
+    # PostgreSQL password when not in the URL: systemd credential or file, never env.
+    database_password: str | None = field(default=DEFAULTS["store.database_password"], repr=False)
 
     @property
     def is_postgres(self) -> bool:
         return is_postgres_url(self.database)
 
+
+@dataclass(frozen=True)
+class MailSettings:
+    smtp: SmtpTarget | None = DEFAULTS["mail.smtp"]
+    # Everyone told about new products, recaps and alerts: one email to all.
+    admin_emails: tuple[str, ...] = DEFAULTS["mail.admin_emails"]
+    sender: str = DEFAULTS["mail.sender"]
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    workers: int = DEFAULTS["jobs.workers"]
+    # With the default backoff, between 4.6 and 9 hours of retries (the delay
+    # doubles from 2 s up to an hour): a mail outage of a few hours ends with
+    # every email delivered, not kept as failed for someone to retry by hand.
+    max_attempts: int = DEFAULTS["jobs.max_attempts"]
+    backoff: float = DEFAULTS["jobs.backoff"]
+    timeout: float = DEFAULTS["jobs.timeout"]
+    drain_timeout: float = DEFAULTS["jobs.drain_timeout"]
+    # Done jobs older than this are pruned by toko-recap.
+    retention: float = DEFAULTS["jobs.retention"]
+
+
+@dataclass(frozen=True)
+class BackupSettings:
+    dir: str = DEFAULTS["backup.dir"]
+    keep: int = DEFAULTS["backup.keep"]
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    level: str = DEFAULTS["log.level"]
+    # Whether the output is the journal (JOURNAL_STREAM): fields, not JSON lines.
+    journal: bool = False
+
+
+@dataclass(frozen=True)
+class SystemdSettings:
+    """systemd's environment contract, read here so the rest stays pure."""
+
+    notify_socket: str | None = None
+    watchdog_interval: float | None = None
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    """For the tests' fault injection."""
+
+    injection: bool = DEFAULTS["faults.injection"]
+    block_seconds: float = DEFAULTS["faults.block_seconds"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every program's settings, one frozen group per concern; a program
+    reads the groups it needs (the spec's ``programs`` say which)."""
+
+    http: HttpSettings = field(default_factory=HttpSettings)
+    store: StoreSettings = field(default_factory=StoreSettings)
+    mail: MailSettings = field(default_factory=MailSettings)
+    jobs: JobSettings = field(default_factory=JobSettings)
+    backup: BackupSettings = field(default_factory=BackupSettings)
+    log: LogSettings = field(default_factory=LogSettings)
+    systemd: SystemdSettings = field(default_factory=SystemdSettings)
+    faults: FaultSettings = field(default_factory=FaultSettings)
+    # TOKO_ variables set but read by nothing: see unknown_variables_line().
+    unknown_variables: tuple[str, ...] = ()
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
+        group: dict[str, dict[str, Any]] = {}
+        for path, value in read_variables(environ).items():
+            name, _, attribute = path.partition(".")
+            group.setdefault(name, {})[attribute] = value
         return cls(
-            **read_variables(environ),
-            notify_socket=environ.get("NOTIFY_SOCKET") or None,
-            watchdog_interval=_watchdog_interval(environ),
-            journal=output_is_journal(environ.get("JOURNAL_STREAM")),
+            http=HttpSettings(**group["http"], listen_given="TOKO_LISTEN" in environ),
+            store=StoreSettings(**group["store"]),
+            mail=MailSettings(**group["mail"]),
+            jobs=JobSettings(**group["jobs"]),
+            backup=BackupSettings(**group["backup"]),
+            log=LogSettings(
+                **group["log"], journal=output_is_journal(environ.get("JOURNAL_STREAM"))
+            ),
+            systemd=SystemdSettings(
+                notify_socket=environ.get("NOTIFY_SOCKET") or None,
+                watchdog_interval=_watchdog_interval(environ),
+            ),
+            faults=FaultSettings(**group["faults"]),
             unknown_variables=unknown_variables(environ),
-            listen_given="TOKO_LISTEN" in environ,
         )
 
     def unknown_variables_line(self) -> str | None:
@@ -113,7 +182,7 @@ class Settings:
 def check_for_api(settings: Settings) -> None:
     """What only toko-api needs. The timer jobs load the same settings but send
     no mail, so they are not given the SMTP credential."""
-    smtp = settings.smtp
+    smtp = settings.mail.smtp
     if smtp is not None and smtp.logs_in and not smtp.password:
         # An empty file too, as for the API token: a login with an empty
         # password fails every email, long after the start looked fine.

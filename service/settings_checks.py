@@ -29,19 +29,19 @@ def check_database_folder(settings: Settings) -> None:
     with what to do. SQLite writes its -wal, -shm and lock file beside the
     database, so the folder must be writable, not only the file.
     """
-    if settings.is_postgres:
+    if settings.store.is_postgres:
         return
-    if Path(settings.database).is_dir():
+    if Path(settings.store.database).is_dir():
         # TOKO_DATABASE=/srv/toko, meant as the folder: "cannot open database
         # /srv/toko: unable to open database file", exit 1, retried by systemd.
-        file = Path(settings.database) / "toko.db"
+        file = Path(settings.store.database) / "toko.db"
         raise ConfigError(
-            f"TOKO_DATABASE names {settings.database}, which is a folder; "
+            f"TOKO_DATABASE names {settings.store.database}, which is a folder; "
             f"name the database file in it, like {file}"
         )
     # SQLite writes beside the file a symbolic link points to, as toko its lock
     # file: that folder must be writable, not the link's.
-    folder = Path(os.path.realpath(settings.database)).parent
+    folder = Path(os.path.realpath(settings.store.database)).parent
     existing = folder
     try:
         while not existing.exists() and existing != existing.parent:
@@ -59,7 +59,7 @@ def check_database_folder(settings: Settings) -> None:
     # open database file", exit 1, retried until systemd gave up.
     for path, needed in (
         (existing, os.W_OK | os.X_OK),
-        (Path(settings.database), os.R_OK | os.W_OK),
+        (Path(settings.store.database), os.R_OK | os.W_OK),
     ):
         try:
             owner = path.stat().st_uid

@@ -49,9 +49,9 @@ Derived = Callable[[Mapping[str, str], Mapping[str, Any]], Any]
 @dataclass(frozen=True)
 class Variable:
     name: str
-    # The Settings field it sets (two: a value parsed into both). A dotted
-    # one is a field of another setting's value, read only when that one has
-    # a value: the SMTP password, only with TOKO_SMTP_URL.
+    # The setting it sets, as ``group.field`` of Settings (two: a value parsed
+    # into both). One more part is a field of another setting's value, read
+    # only when that one has a value: the SMTP password, only with TOKO_SMTP_URL.
     field: str | tuple[str, str]
     help: str
     # Which programs use the value (all of them check it, whatever they use).
@@ -111,7 +111,7 @@ def _default_database(environ: Mapping[str, str], earlier: Mapping[str, Any]) ->
 
 def _default_backup_dir(environ: Mapping[str, str], earlier: Mapping[str, Any]) -> str:
     # Backups live beside a SQLite file; a PostgreSQL host keeps its dumps locally.
-    database: str = earlier["database"]
+    database: str = earlier["store.database"]
     if not is_postgres_url(database):
         return str(Path(database).parent / "backups")
     state_dir = _state_directory(environ)
@@ -121,7 +121,7 @@ def _default_backup_dir(environ: Mapping[str, str], earlier: Mapping[str, Any]) 
 VARIABLES: tuple[Variable, ...] = (
     Variable(
         "TOKO_LISTEN",
-        ("listen_host", "listen_port"),
+        ("http.host", "http.port"),
         "host:port to listen on",
         _API,
         parse_listen,
@@ -135,7 +135,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_DATABASE",
-        "database",
+        "store.database",
         "the SQLite file, or a `postgresql://user@host:port/db` URL",
         PROGRAMS,
         parse_database,
@@ -153,7 +153,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_DATABASE_PASSWORD_FILE",
-        "database_password",
+        "store.database_password",
         "the PostgreSQL password",
         PROGRAMS,
         credential="db-password",
@@ -161,7 +161,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_SMTP_URL",
-        "smtp",
+        "mail.smtp",
         "the mail server, `smtp://[user@]host[:port]` or `smtps://…`",
         _API,
         parse_smtp_url,
@@ -178,7 +178,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_SMTP_PASSWORD_FILE",
-        "smtp.password",
+        "mail.smtp.password",
         "the SMTP password",
         _API,
         credential="smtp-password",
@@ -186,7 +186,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_ADMIN_EMAIL",
-        "admin_emails",
+        "mail.admin_emails",
         "who gets the emails; several addresses, separated by commas, share one",
         _API,
         parse_email_list,
@@ -198,7 +198,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_MAIL_FROM",
-        "mail_from",
+        "mail.sender",
         "sender address",
         _API,
         parse_email,
@@ -207,7 +207,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_WORKERS",
-        "workers",
+        "jobs.workers",
         "concurrent job workers",
         _API,
         int_between(1, 256),
@@ -215,7 +215,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_JOB_MAX_ATTEMPTS",
-        "job_max_attempts",
+        "jobs.max_attempts",
         "attempts before a job is kept as `failed`",
         ("toko-api", "toko-recap", "toko-alert"),
         int_between(1, 100),
@@ -226,7 +226,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_JOB_BACKOFF",
-        "job_backoff",
+        "jobs.backoff",
         "base seconds of the exponential retry backoff",
         _API,
         seconds(0.0, 3600.0),
@@ -236,7 +236,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_JOB_TIMEOUT",
-        "job_timeout",
+        "jobs.timeout",
         "seconds one attempt may take",
         _API,
         seconds(0.1, 3600.0),
@@ -246,7 +246,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_DRAIN_TIMEOUT",
-        "drain_timeout",
+        "jobs.drain_timeout",
         "seconds running jobs get to finish when toko-api stops",
         _API,
         seconds(0.0, 3600.0),
@@ -255,7 +255,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_CLIENT_TIMEOUT",
-        "client_timeout",
+        "http.client_timeout",
         "seconds a client has to send a request, then its body",
         _API,
         seconds(1.0, 3600.0),
@@ -267,7 +267,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_LOG_LEVEL",
-        "log_level",
+        "log.level",
         "`debug`, `info`, `warning` or `error`",
         ("toko-api", "toko-recap", "toko-backup", "toko-alert"),
         parse_log_level,
@@ -275,7 +275,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_BACKUP_DIR",
-        "backup_dir",
+        "backup.dir",
         "where `toko-backup` writes",
         ("toko-backup",),
         derive=_default_backup_dir,
@@ -289,7 +289,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_BACKUP_KEEP",
-        "backup_keep",
+        "backup.keep",
         "how many backups `toko-backup` keeps",
         ("toko-backup",),
         int_between(1, 10000),
@@ -297,7 +297,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_API_TOKEN_FILE",
-        "api_token",
+        "http.api_token",
         "the token that writes must carry",
         _API,
         credential="api-token",
@@ -306,7 +306,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_JOB_RETENTION",
-        "job_retention",
+        "jobs.retention",
         "age after which toko-recap prunes done jobs, like `12h` or `7d`",
         ("toko-recap",),
         retention,
@@ -316,7 +316,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_FAULT_INJECTION",
-        "fault_injection",
+        "faults.injection",
         "SIGUSR1 kills a worker, SIGUSR2 blocks the event loop",
         _API,
         parse_bool,
@@ -325,7 +325,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_FAULT_BLOCK_SECONDS",
-        "fault_block_seconds",
+        "faults.block_seconds",
         "how long SIGUSR2 blocks the event loop",
         _API,
         seconds(0.0, 600.0),
@@ -341,15 +341,16 @@ KNOWN_VARIABLES = frozenset(variable.name for variable in VARIABLES)
 
 
 def read_variables(environ: Mapping[str, str]) -> dict[str, Any]:
-    """The Settings fields the variables set, read from ``environ`` in the table's order."""
+    """The settings the variables set, by path (``jobs.workers``), read from
+    ``environ`` in the table's order."""
     values: dict[str, Any] = {}
     for variable in VARIABLES:
         if isinstance(variable.field, tuple):
             values.update(zip(variable.field, variable.read(environ, values), strict=True))
             continue
-        owner, dot, attribute = variable.field.partition(".")
-        if not dot:
-            values[owner] = variable.read(environ, values)
+        owner, _, attribute = variable.field.rpartition(".")
+        if owner.count(".") == 0:
+            values[variable.field] = variable.read(environ, values)
         elif values[owner] is not None:
             values[owner] = replace(values[owner], **{attribute: variable.read(environ, values)})
     return values

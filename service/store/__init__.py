@@ -17,14 +17,14 @@ def open_store(settings: Settings, *, application_name: str = "toko-api") -> Sto
     ``application_name`` labels PostgreSQL connections (pg_stat_activity), so
     ``toko-backup --restore`` can tell that a toko-api is connected.
     """
-    if settings.is_postgres:
+    if settings.store.is_postgres:
         from service.store.postgres import PostgresStore
 
         return PostgresStore(
-            settings.database,
-            password=settings.database_password,
+            settings.store.database,
+            password=settings.store.database_password,
             application_name=application_name,
         )
     from service.store.sqlite import SqliteStore
 
-    return SqliteStore(settings.database)
+    return SqliteStore(settings.store.database)

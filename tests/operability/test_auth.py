@@ -158,13 +158,13 @@ def test_a_token_with_a_tab_or_space_inside_is_taken_as_written(tmp_path: Path) 
     token_file = tmp_path / "api-token"
     token_file.write_text(f"{TOKEN}\t{TOKEN} x\n")
     settings = Settings.from_env({"TOKO_API_TOKEN_FILE": str(token_file)})
-    assert settings.api_token == f"{TOKEN}\t{TOKEN} x"
-    assert presented_token(f"Bearer {settings.api_token}") == settings.api_token
+    assert settings.http.api_token == f"{TOKEN}\t{TOKEN} x"
+    assert presented_token(f"Bearer {settings.http.api_token}") == settings.http.api_token
 
 
 def test_token_is_not_in_the_settings_repr(token_file: Path) -> None:
     settings = Settings.from_env({"TOKO_API_TOKEN_FILE": str(token_file)})
-    assert settings.api_token == TOKEN
+    assert settings.http.api_token == TOKEN
     assert TOKEN not in repr(settings)
 
 

@@ -26,7 +26,7 @@ import pytest
 from jobs import backup_files, pg_backup
 from jobs.common import JobFailed
 from service.models import Product
-from service.settings import Settings
+from service.settings import Settings, StoreSettings
 from service.store.postgres import PostgresStore
 from service.store.postgres.migrations import LATEST_VERSION
 from service.tasks import product_email_job
@@ -295,7 +295,7 @@ async def test_backups_are_pruned_and_verified(
     tmp_path: Path, pg_cluster: PostgresCluster, pg_url: str
 ) -> None:
     await _seed(pg_cluster, pg_url, 5)
-    settings = Settings(database=pg_url, database_password=pg_cluster.password)
+    settings = Settings(store=StoreSettings(database=pg_url, database_password=pg_cluster.password))
     folder = tmp_path / "b"
     made = []
     for second in range(3):
@@ -554,7 +554,7 @@ async def test_restores_in_the_same_second_each_keep_what_they_replaced(
 ) -> None:
     # The second's safety dump was refused: "[Errno 17] File exists: ...".
     await _seed(pg_cluster, pg_url, 5)
-    settings = Settings(database=pg_url, database_password=pg_cluster.password)
+    settings = Settings(store=StoreSettings(database=pg_url, database_password=pg_cluster.password))
     folder = tmp_path / "b"
     made = await asyncio.to_thread(pg_backup.make_backup, settings, folder, 2)
     second = lambda: 1796089751.0  # noqa: E731  # both restores within it

@@ -18,7 +18,7 @@ from jobs import recap
 from jobs.common import JobFailed
 from service.mail_message import message_id
 from service.models import Product
-from service.settings import Settings
+from service.settings import Settings, StoreSettings
 from service.store.postgres import PostgresStore
 from service.tasks import product_email_job
 from tests.conftest import ServiceFactory
@@ -122,7 +122,7 @@ async def test_a_host_whose_clock_runs_ahead_recaps_no_day_that_is_not_over(
     # figures now would keep them partial for good: the real run on the next
     # day finds the day recorded, and today's later products are in no recap.
     today = await _local_today()
-    settings = Settings(database=pg_url, database_password=pg_cluster.password)
+    settings = Settings(store=StoreSettings(database=pg_url, database_password=pg_cluster.password))
     yesterday = today - timedelta(days=1)
     assert await recap.record(settings, None, today) == {yesterday: ANY}
     ahead = today + timedelta(days=1)

@@ -146,7 +146,7 @@ async def test_purge_keeps_the_newest_job_so_no_id_is_given_twice(tmp_path: Path
     ("raw", "seconds"), [("7d", 7 * DAY), ("36h", 36 * 3600.0), ("36500d", 36500 * DAY)]
 )
 def test_retention_setting(raw: str, seconds: float) -> None:
-    assert Settings.from_env({"TOKO_JOB_RETENTION": raw}).job_retention == seconds
+    assert Settings.from_env({"TOKO_JOB_RETENTION": raw}).jobs.retention == seconds
 
 
 @pytest.mark.parametrize("raw", ["7", "7x", "30m", "-1d", "36501d", "99999999999999999999d"])

@@ -13,35 +13,35 @@ from service.settings import KNOWN_VARIABLES, ConfigError, Settings, check_for_a
 
 def test_defaults_need_no_configuration() -> None:
     s = Settings.from_env({})
-    assert (s.listen_host, s.listen_port) == ("127.0.0.1", 8080)
-    assert s.database == "var/toko.db"
-    assert s.smtp is None
-    assert s.admin_emails == ("admin@toko.com",)
-    assert s.mail_from == "toko@localhost"
-    assert s.workers == 3
+    assert (s.http.host, s.http.port) == ("127.0.0.1", 8080)
+    assert s.store.database == "var/toko.db"
+    assert s.mail.smtp is None
+    assert s.mail.admin_emails == ("admin@toko.com",)
+    assert s.mail.sender == "toko@localhost"
+    assert s.jobs.workers == 3
     # The README's "4.6 to 9 hours of retries" rests on these two.
-    assert (s.job_max_attempts, s.job_backoff) == (20, 2.0)
-    assert s.job_timeout == 30.0
-    assert s.drain_timeout == 10.0
-    assert s.client_timeout == 75.0
-    assert s.log_level == "INFO"
-    assert s.api_token is None
-    assert s.watchdog_interval is None
-    assert s.backup_dir == "var/backups"
-    assert s.backup_keep == 7
-    assert s.job_retention == 7 * 86400
+    assert (s.jobs.max_attempts, s.jobs.backoff) == (20, 2.0)
+    assert s.jobs.timeout == 30.0
+    assert s.jobs.drain_timeout == 10.0
+    assert s.http.client_timeout == 75.0
+    assert s.log.level == "INFO"
+    assert s.http.api_token is None
+    assert s.systemd.watchdog_interval is None
+    assert s.backup.dir == "var/backups"
+    assert s.backup.keep == 7
+    assert s.jobs.retention == 7 * 86400
 
 
 def test_state_directory_holds_the_database_and_backups() -> None:
     s = Settings.from_env({"STATE_DIRECTORY": "/var/lib/toko"})
-    assert s.database == "/var/lib/toko/toko.db"
-    assert s.backup_dir == "/var/lib/toko/backups"
+    assert s.store.database == "/var/lib/toko/toko.db"
+    assert s.backup.dir == "/var/lib/toko/backups"
 
 
 def test_backups_go_beside_a_database_named_elsewhere() -> None:
     environ = {"STATE_DIRECTORY": "/var/lib/toko", "TOKO_DATABASE": "/srv/shop/toko.db"}
     s = Settings.from_env(environ)
-    assert s.backup_dir == "/srv/shop/backups"
+    assert s.backup.dir == "/srv/shop/backups"
 
 
 @pytest.mark.parametrize(
@@ -130,7 +130,7 @@ def test_bad_values_name_the_variable(name: str, value: str) -> None:
 
 def test_admin_email_takes_a_list_separated_by_commas() -> None:
     s = Settings.from_env({"TOKO_ADMIN_EMAIL": " bos@toko.test,kasir@toko.test , ibu@toko.test"})
-    assert s.admin_emails == ("bos@toko.test", "kasir@toko.test", "ibu@toko.test")
+    assert s.mail.admin_emails == ("bos@toko.test", "kasir@toko.test", "ibu@toko.test")
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ def test_admin_email_takes_a_list_separated_by_commas() -> None:
     ],
 )
 def test_smtp_host_names_and_addresses_are_taken(url: str, host: str) -> None:
-    smtp = Settings.from_env({"TOKO_SMTP_URL": url}).smtp
+    smtp = Settings.from_env({"TOKO_SMTP_URL": url}).mail.smtp
     assert smtp is not None
     assert smtp.host == host
 
@@ -158,7 +158,7 @@ def test_smtp_host_names_and_addresses_are_taken(url: str, host: str) -> None:
     [("smtp://mail.example.com", 25), ("smtps://mail.example.com", 465), ("smtp://[::1]", 25)],
 )
 def test_smtp_port_defaults_to_the_schemes(url: str, port: int) -> None:
-    smtp = Settings.from_env({"TOKO_SMTP_URL": url}).smtp
+    smtp = Settings.from_env({"TOKO_SMTP_URL": url}).mail.smtp
     assert smtp is not None
     assert smtp.port == port
 
@@ -168,11 +168,15 @@ def test_smtp_url_and_password_from_credentials(tmp_path: Path) -> None:
     s = Settings.from_env(
         {"TOKO_SMTP_URL": "smtp://mailer@127.0.0.1:2525", "CREDENTIALS_DIRECTORY": str(tmp_path)}
     )
-    assert s.smtp is not None
-    assert (s.smtp.host, s.smtp.port, s.smtp.username) == ("127.0.0.1", 2525, "mailer")
-    assert s.smtp.password == "s3cret"
+    assert s.mail.smtp is not None
+    assert (s.mail.smtp.host, s.mail.smtp.port, s.mail.smtp.username) == (
+        "127.0.0.1",
+        2525,
+        "mailer",
+    )
+    assert s.mail.smtp.password == "s3cret"
     assert "s3cret" not in repr(s)  # settings may end up in a log line or a traceback
-    assert not s.smtp.use_tls
+    assert not s.mail.smtp.use_tls
 
 
 @pytest.mark.parametrize(
@@ -187,7 +191,7 @@ def test_smtp_url_and_password_from_credentials(tmp_path: Path) -> None:
 def test_smtp_tls_follows_whether_a_password_is_sent(
     url: str, start_tls: bool | None, verify: bool
 ) -> None:
-    smtp = Settings.from_env({"TOKO_SMTP_URL": url}).smtp
+    smtp = Settings.from_env({"TOKO_SMTP_URL": url}).mail.smtp
     assert smtp is not None
     assert (smtp.start_tls, smtp.verify_certificate) == (start_tls, verify)
 
@@ -279,18 +283,20 @@ def test_check_config_says_one_line_and_exits_2(
 
 
 def test_watchdog_interval_is_half_of_watchdog_usec() -> None:
-    assert Settings.from_env({"WATCHDOG_USEC": "10000000"}).watchdog_interval == 5.0
+    assert Settings.from_env({"WATCHDOG_USEC": "10000000"}).systemd.watchdog_interval == 5.0
     # Meant for another process: not ours to send.
     assert (
-        Settings.from_env({"WATCHDOG_USEC": "10000000", "WATCHDOG_PID": "1"}).watchdog_interval
+        Settings.from_env(
+            {"WATCHDOG_USEC": "10000000", "WATCHDOG_PID": "1"}
+        ).systemd.watchdog_interval
         is None
     )
 
 
 def test_an_odd_watchdog_usec_means_no_watchdog_not_a_traceback() -> None:
     # isdigit() passed both, and int() then raised.
-    assert Settings.from_env({"WATCHDOG_USEC": "\u00b2"}).watchdog_interval is None
-    assert Settings.from_env({"WATCHDOG_USEC": "9" * 5000}).watchdog_interval is None
+    assert Settings.from_env({"WATCHDOG_USEC": "\u00b2"}).systemd.watchdog_interval is None
+    assert Settings.from_env({"WATCHDOG_USEC": "9" * 5000}).systemd.watchdog_interval is None
 
 
 @pytest.mark.parametrize(
@@ -333,7 +339,7 @@ def test_a_pipe_is_read_once_its_writer_has_written() -> None:
             os.write(write_end, b"tok-from-a-pipe\n")
             os.close(write_end)
             write_end = -1
-            assert reading.result(timeout=10).api_token == "tok-from-a-pipe"
+            assert reading.result(timeout=10).http.api_token == "tok-from-a-pipe"
     finally:
         os.close(read_end)
         if write_end >= 0:
@@ -348,7 +354,7 @@ def test_a_credentials_directory_no_file_can_be_in_is_a_config_error() -> None:
 
 def test_sqlite_files_named_like_postgres_are_taken() -> None:
     for path in ["postgres.db", "postgresql/toko.db", "var/postgresql:/toko.db"]:
-        assert Settings.from_env({"TOKO_DATABASE": path}).database == path
+        assert Settings.from_env({"TOKO_DATABASE": path}).store.database == path
 
 
 def test_postgres_urls_with_several_hosts_or_a_socket_are_taken() -> None:
@@ -357,21 +363,21 @@ def test_postgres_urls_with_several_hosts_or_a_socket_are_taken() -> None:
         "postgresql://toko@[::1]:5432,[2001:db8::5]/toko",
         "postgresql:///toko?host=/run/postgresql",
     ]:
-        assert Settings.from_env({"TOKO_DATABASE": url}).database == url
+        assert Settings.from_env({"TOKO_DATABASE": url}).store.database == url
 
 
 def test_listen_accepts_ipv6_brackets() -> None:
     s = Settings.from_env({"TOKO_LISTEN": "[::1]:9000"})
-    assert (s.listen_host, s.listen_port) == ("::1", 9000)
+    assert (s.http.host, s.http.port) == ("::1", 9000)
 
 
 def test_journal_only_when_an_output_is_the_stream_journal_stream_names() -> None:
     # Inherited by a process whose output goes elsewhere (a shell started
     # from a service): logging to the journal would lose every line.
-    assert not Settings.from_env({"JOURNAL_STREAM": "8:12345"}).journal
-    assert not Settings.from_env({}).journal
+    assert not Settings.from_env({"JOURNAL_STREAM": "8:12345"}).log.journal
+    assert not Settings.from_env({}).log.journal
     st = os.fstat(2)
-    assert Settings.from_env({"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}).journal
+    assert Settings.from_env({"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}).log.journal
 
 
 def test_unknown_toko_variables_are_named_with_the_one_meant() -> None:

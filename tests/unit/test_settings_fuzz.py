@@ -118,10 +118,13 @@ def check_contract(env: dict[str, str]) -> Settings | None:
 
 def check_used_as_written(env: dict[str, str], settings: Settings) -> None:
     """A number that was taken is the one written."""
-    for name, attribute in [("TOKO_WORKERS", "workers"), ("TOKO_BACKUP_KEEP", "backup_keep")]:
+    for name, taken in [
+        ("TOKO_WORKERS", settings.jobs.workers),
+        ("TOKO_BACKUP_KEEP", settings.backup.keep),
+    ]:
         raw = env.get(name, "").strip()
         if raw:
-            assert getattr(settings, attribute) == int(raw), (env, settings)
+            assert taken == int(raw), (env, settings)
 
 
 @pytest.mark.parametrize("seed", range(SEEDS))

@@ -15,19 +15,31 @@ import pytest
 
 from service import cli, settings_doc
 from service.env_file import parse_env_file
-from service.settings import ConfigError, Settings
+from service.settings import ConfigError, HttpSettings, Settings
 from service.settings_spec import PROGRAMS, VARIABLES, Variable
 
 ROOT = Path(__file__).resolve().parents[2]
 # Settings fields that no TOKO_ variable sets: systemd's contract and bookkeeping.
 NOT_FROM_A_VARIABLE = {
-    "max_body_bytes",
-    "notify_socket",
-    "watchdog_interval",
-    "journal",
+    "http.max_body_bytes",
+    "http.listen_given",
+    "systemd.notify_socket",
+    "systemd.watchdog_interval",
+    "log.journal",
     "unknown_variables",
-    "listen_given",
 }
+
+
+def _field_paths() -> set[str]:
+    """Settings' fields as ``group.field``, and the ungrouped ones by name."""
+    paths = set()
+    for group in dataclasses.fields(Settings):
+        default = getattr(Settings(), group.name)
+        if dataclasses.is_dataclass(default):
+            paths |= {f"{group.name}.{f.name}" for f in dataclasses.fields(default)}
+        else:
+            paths.add(group.name)
+    return paths
 
 
 def test_settings_without_configuration_are_the_defaults_of_from_env() -> None:
@@ -35,15 +47,15 @@ def test_settings_without_configuration_are_the_defaults_of_from_env() -> None:
 
 
 def test_every_settings_field_comes_from_one_variable_or_is_not_configurable() -> None:
-    fields = {f.name for f in dataclasses.fields(Settings)}
-    set_by = [name.partition(".")[0] for v in VARIABLES for name in v.fields]
+    fields = _field_paths()
+    set_by = [".".join(name.split(".")[:2]) for v in VARIABLES for name in v.fields]
     assert len({v.name for v in VARIABLES}) == len(VARIABLES)
     assert set(set_by) <= fields
     assert fields - set(set_by) == NOT_FROM_A_VARIABLE
     # One variable a field, but the SMTP password, which goes into TOKO_SMTP_URL's value.
     twice = [name for name, count in Counter(set_by).items() if count > 1]
-    assert twice == ["smtp"]
-    assert [v.field for v in VARIABLES if "." in "".join(v.fields)] == ["smtp.password"]
+    assert twice == ["mail.smtp"]
+    assert [f for v in VARIABLES for f in v.fields if f.count(".") > 1] == ["mail.smtp.password"]
 
 
 def test_every_variable_has_a_default_or_says_what_unset_means() -> None:
@@ -58,7 +70,7 @@ def test_every_variable_has_a_default_or_says_what_unset_means() -> None:
 def test_a_default_written_in_toko_env_gives_the_same_settings(variable: Variable) -> None:
     assert variable.default is not None
     given = Settings.from_env({variable.name: variable.default})
-    assert given == Settings(listen_given=variable.name == "TOKO_LISTEN")
+    assert given == Settings(http=HttpSettings(listen_given=variable.name == "TOKO_LISTEN"))
 
 
 def test_the_env_example_is_generated_from_the_spec() -> None:
@@ -143,12 +155,12 @@ def _modules_of(entry: str) -> set[Path]:
     return {p for p in seen if p.parts[len(ROOT.parts)] in {"service", "jobs"}}
 
 
-_ACCESS = re.compile(r"(?:\bsettings|\[SETTINGS\])\.([a-z_]+)")
+_ACCESS = re.compile(r"(?:\bsettings|\[SETTINGS\])\.([a-z_]+\.[a-z_]+)")
 # Modules a program imports for a helper, not for what they do with settings:
 # toko-queue takes anothers_database from jobs.common, and runs no run_job.
 _HELPERS_ONLY = {"toko-queue": [ROOT / "jobs" / "common.py"]}
 # Properties of Settings, and the variables' fields they stand for.
-_PROPERTIES = {"is_postgres": "database"}
+_PROPERTIES = {"store.is_postgres": "store.database"}
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
@@ -162,6 +174,6 @@ def test_the_programs_said_to_read_a_variable_are_the_ones_that_do(program: str)
     for path in _modules_of(entry) - skipped:
         for name in _ACCESS.findall(path.read_text()):
             read.add(_PROPERTIES.get(name, name))
-    uses = {v.name for v in VARIABLES if read & {f.partition(".")[0] for f in v.fields}}
+    uses = {v.name for v in VARIABLES if read & {".".join(f.split(".")[:2]) for f in v.fields}}
     declared = {v.name for v in VARIABLES if program in v.programs}
     assert uses == declared, (sorted(uses - declared), sorted(declared - uses))

@@ -16,7 +16,7 @@ from jobs import recap
 from jobs import sqlite_backup as backup
 from jobs.common import JobFailed
 from service.models import Product
-from service.settings import Settings
+from service.settings import Settings, StoreSettings
 from service.store.lock import InstanceLock, is_locked
 from service.store.sqlite import SqliteStore
 from service.store.sqlite.migrations import LATEST_VERSION
@@ -50,7 +50,7 @@ def count(path: Path | str, table: str) -> int:
 async def test_recap_counts_the_period_and_runs_once(tmp_path: Path) -> None:
     db = str(tmp_path / "toko.db")
     await seed(db, 3)
-    settings = Settings(database=db)
+    settings = Settings(store=StoreSettings(database=db))
     today = date.today()
     tomorrow = today + timedelta(days=1)
     assert (await recap.record(settings, today, tomorrow))[today] is not None
@@ -74,7 +74,7 @@ async def test_late_runs_recap_every_day_they_missed(tmp_path: Path, clock: Fake
             await store.create_product(f"p{day}", day, _job)
     finally:
         await store.close()
-    settings = Settings(database=db)
+    settings = Settings(store=StoreSettings(database=db))
     runs = {}
     for today in (date(2026, 11, 27), date(2026, 11, 29), date(2026, 11, 30)):
         runs[today.day] = [day.day for day in await recap.record(settings, None, today)]
@@ -107,7 +107,7 @@ async def test_a_run_too_late_to_catch_up_says_which_days_it_skipped(
 ) -> None:
     db = str(tmp_path / "toko.db")
     await seed(db, 0)
-    settings = Settings(database=db)
+    settings = Settings(store=StoreSettings(database=db))
     await recap.record(settings, date(2026, 10, 1), date(2026, 10, 2))
     recorded = await recap.record(settings, None, date(2026, 11, 30))
     assert list(recorded) == [date(2026, 11, 23) + timedelta(days=n) for n in range(7)]
