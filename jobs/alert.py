@@ -20,7 +20,7 @@ import time
 
 from jobs.common import JobFailed, add_version, require_database, run_job
 from service.models import iso_utc
-from service.settings import ConfigError, Settings
+from service.settings import ConfigError, ToolSettings
 from service.store import open_store
 from service.store.base import StoreError
 from service.tasks import UnitFailure, alert_email_job
@@ -28,7 +28,7 @@ from service.tasks import UnitFailure, alert_email_job
 log = logging.getLogger("toko.alert")
 
 
-async def enqueue_alert(settings: Settings, failure: UnitFailure) -> int:
+async def enqueue_alert(settings: ToolSettings, failure: UnitFailure) -> int:
     store = open_store(settings, application_name="toko-alert")
     await store.open()
     try:
@@ -64,7 +64,7 @@ def _without_settings(args: argparse.Namespace, exc: ConfigError) -> str:
     return f"could not queue the alert email for {failure.unit}: {exc}"
 
 
-def _main(args: argparse.Namespace, settings: Settings) -> int:
+def _main(args: argparse.Namespace, settings: ToolSettings) -> int:
     failure = _log_failure(args)
     try:
         if not settings.store.is_postgres:

@@ -17,11 +17,11 @@ from pathlib import Path
 from jobs import sqlite_backup
 from jobs.backup_files import print_backups
 from jobs.common import JobFailed, add_version, run_job, stop_on_sigterm
-from service.settings import Settings
+from service.settings import ToolSettings
 from service.settings_spec import VARIABLES
 
 
-def _sqlite(args: argparse.Namespace, settings: Settings) -> int:
+def _sqlite(args: argparse.Namespace, settings: ToolSettings) -> int:
     folder = Path(settings.backup.dir)
     try:
         if args.list:
@@ -38,7 +38,7 @@ def _sqlite(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def _postgres_folder(settings: Settings) -> Path:
+def _postgres_folder(settings: ToolSettings) -> Path:
     # The default beside the SQLite file means nothing for a URL.
     if settings.backup.dir.startswith(("postgresql:", "postgres:")):
         raise JobFailed(
@@ -47,7 +47,7 @@ def _postgres_folder(settings: Settings) -> Path:
     return Path(settings.backup.dir)
 
 
-def _postgres(args: argparse.Namespace, settings: Settings) -> int:
+def _postgres(args: argparse.Namespace, settings: ToolSettings) -> int:
     # Imported here, not above: only a PostgreSQL run pays for loading asyncpg.
     # (No cycle either way: neither backend imports this module.)
     from jobs import pg_backup
@@ -69,7 +69,7 @@ def _postgres(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def _main(args: argparse.Namespace, settings: Settings) -> int:
+def _main(args: argparse.Namespace, settings: ToolSettings) -> int:
     stop_on_sigterm()
     return _postgres(args, settings) if settings.store.is_postgres else _sqlite(args, settings)
 

@@ -13,7 +13,7 @@ from types import FrameType
 
 from service import __version__
 from service.logs import setup_logging, stop_waiting_for_journald
-from service.settings import ConfigError, LogSettings, Settings, output_is_journal
+from service.settings import ConfigError, LogSettings, ToolSettings, output_is_journal
 from service.settings_checks import check_database_folder, user_name
 
 # How long a job's exit waits for a journald that does not read (stopped,
@@ -88,7 +88,7 @@ def require_database(database: str) -> None:
 def run_job(
     name: str,
     parser: argparse.ArgumentParser,
-    body: Callable[[argparse.Namespace, Settings], int],
+    body: Callable[[argparse.Namespace, ToolSettings], int],
     *,
     without_settings: Callable[[argparse.Namespace, ConfigError], str] | None = None,
 ) -> int:
@@ -113,12 +113,12 @@ def _stop_waiting_for_journald(signum: int, frame: FrameType | None) -> None:
 def _run_job(
     name: str,
     parser: argparse.ArgumentParser,
-    body: Callable[[argparse.Namespace, Settings], int],
+    body: Callable[[argparse.Namespace, ToolSettings], int],
     without_settings: Callable[[argparse.Namespace, ConfigError], str] | None,
 ) -> int:
     args = parser.parse_args()
     try:
-        settings = Settings.from_env(os.environ)
+        settings = ToolSettings.from_env(os.environ)
         check_database_folder(settings)
     except ConfigError as exc:
         # Logged with the default settings: under systemd the stderr line alone

@@ -32,7 +32,7 @@ import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
 from jobs.backup_files import PREFIX, STOP_API, backup_name, publish_backup, refuse_newer
 from jobs.common import JobFailed
 from service.redaction import redact, without_password
-from service.settings import Settings
+from service.settings import ToolSettings
 from service.store.disk import fsync_dir, fsync_file
 from service.store.postgres.migrations import LATEST_VERSION, MIGRATION_LOCK
 
@@ -55,7 +55,7 @@ def pg_tool(name: str) -> str:
     return found
 
 
-def _tool_env(settings: Settings) -> dict[str, str]:
+def _tool_env(settings: ToolSettings) -> dict[str, str]:
     # The password goes to the tools through their environment, never argv (ps shows argv).
     env = dict(os.environ)
     env["PGAPPNAME"] = "toko-backup"
@@ -65,7 +65,7 @@ def _tool_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def _dbname(settings: Settings) -> str:
+def _dbname(settings: ToolSettings) -> str:
     """``--dbname=`` for the tools: the URL without a password in it.
 
     A password written into TOKO_DATABASE (user:password@, or ?password=)
@@ -86,7 +86,7 @@ def _one_line(output: str) -> str:
 
 
 def _run(
-    settings: Settings, *args: str, stdout: IO[bytes] | None = None
+    settings: ToolSettings, *args: str, stdout: IO[bytes] | None = None
 ) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
         args,
@@ -105,7 +105,7 @@ def _run(
     return result
 
 
-def check_archive(settings: Settings, path: Path) -> None:
+def check_archive(settings: ToolSettings, path: Path) -> None:
     """Raise JobFailed unless ``path`` is a complete custom-format toko dump."""
     tool = pg_tool("pg_restore")
     try:
@@ -126,7 +126,7 @@ def check_archive(settings: Settings, path: Path) -> None:
         raise JobFailed(f"{path} holds no data for the toko tables {', '.join(missing)}")
 
 
-def archived_schema_version(settings: Settings, path: Path) -> int | None:
+def archived_schema_version(settings: ToolSettings, path: Path) -> int | None:
     """The version in the archive's toko_schema row, read without a database."""
     script = _run(
         settings, pg_tool("pg_restore"), "--data-only", "--table=toko_schema", "--file=-", str(path)
@@ -151,7 +151,7 @@ def archived_schema_version(settings: Settings, path: Path) -> int | None:
     return None
 
 
-def check_schema_version(settings: Settings, path: Path) -> None:
+def check_schema_version(settings: ToolSettings, path: Path) -> None:
     """Refuse an archive whose schema this toko-api could not start on."""
     version = archived_schema_version(settings, path)
     if version is None:
@@ -159,7 +159,7 @@ def check_schema_version(settings: Settings, path: Path) -> None:
     refuse_newer(path, version, LATEST_VERSION)
 
 
-def _dump(settings: Settings, target: Path) -> None:
+def _dump(settings: ToolSettings, target: Path) -> None:
     """pg_dump the database into a new file ``target`` (created 0600 first)."""
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     # 0600 before pg_dump writes a byte. It writes to our descriptor, not by
@@ -177,7 +177,7 @@ def _dump(settings: Settings, target: Path) -> None:
 
 
 def make_backup(
-    settings: Settings, folder: Path, keep: int, clock: Callable[[], float] = time.time
+    settings: ToolSettings, folder: Path, keep: int, clock: Callable[[], float] = time.time
 ) -> Path:
     def write(tmp: Path) -> None:
         _dump(settings, tmp)
@@ -209,7 +209,7 @@ def _safety_dump_path(folder: Path, now: float) -> Path:
         now += 1  # a second restore within the same second
 
 
-def _keep_current_contents(settings: Settings, kept: Path) -> None:
+def _keep_current_contents(settings: ToolSettings, kept: Path) -> None:
     """Dump the database to ``kept``, on disk, name included, before it is replaced.
 
     A dump that fails (the server gone; pg_dump stopped by the SIGTERM that
@@ -226,7 +226,7 @@ def _keep_current_contents(settings: Settings, kept: Path) -> None:
 
 
 async def _restore(
-    settings: Settings, source: Path, folder: Path, clock: Callable[[], float]
+    settings: ToolSettings, source: Path, folder: Path, clock: Callable[[], float]
 ) -> Path | None:
     try:
         conn = await asyncpg.connect(
@@ -277,7 +277,7 @@ async def _restore(
 
 
 def restore(
-    settings: Settings, source: Path, folder: Path, clock: Callable[[], float] = time.time
+    settings: ToolSettings, source: Path, folder: Path, clock: Callable[[], float] = time.time
 ) -> Path | None:
     """Replace the database's contents with ``source``; return the safety dump, if any."""
     if not source.is_file():

@@ -34,7 +34,7 @@ from service import __version__
 from service.durations import parse_duration
 from service.env_file import DEFAULT_ENV_FILE, EnvFileError, cli_environment
 from service.models import JOB_STATES, iso_utc
-from service.settings import ConfigError, Settings
+from service.settings import ConfigError, ToolSettings
 from service.store import open_store
 from service.store.admin import Retryable
 from service.store.base import LoginRefused, StoreError, schema_log
@@ -223,7 +223,7 @@ COMMANDS: dict[str, Callable[[QueueAdmin, argparse.Namespace, float], Any]] = {
 # plumbing ------------------------------------------------------------------------
 
 
-async def run_command(settings: Settings, args: argparse.Namespace) -> Output:
+async def run_command(settings: ToolSettings, args: argparse.Namespace) -> Output:
     store: Store = open_store(settings, application_name=PROG)
     await store.open()
     try:
@@ -242,7 +242,7 @@ def _sqlite_file_problem(database: Path) -> str | None:
     return owner and f"run as the database's owner, not root: sudo -u {owner} {PROG} ..."
 
 
-def _store_hint(settings: Settings, exc: StoreError) -> str | None:
+def _store_hint(settings: ToolSettings, exc: StoreError) -> str | None:
     if not settings.store.is_postgres:
         return f"run as the service user: sudo -u toko {PROG} ..."
     if settings.store.database_password is None and isinstance(exc, LoginRefused):
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         environ = cli_environment(os.environ, args.env_file, use_default=not args.no_env_file)
-        settings = Settings.from_env(environ)
+        settings = ToolSettings.from_env(environ)
     except (EnvFileError, ConfigError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2

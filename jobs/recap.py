@@ -31,7 +31,7 @@ from jobs.common import (
     stop_on_sigterm,
 )
 from jobs.retention import prune_done_jobs
-from service.settings import Settings
+from service.settings import ToolSettings
 from service.store import open_store
 from service.store.base import StoreError
 from service.store.roles import Store
@@ -131,7 +131,7 @@ async def _shared_today(store: Store, today: date) -> date:
     return shared
 
 
-async def _record_day(store: Store, settings: Settings, day: date) -> int | None:
+async def _record_day(store: Store, settings: ToolSettings, day: date) -> int | None:
     start, end = period_bounds(day)
     total, new = await store.product_counts(start, end)
     job = recap_email_job(day.isoformat(), total, new, settings.jobs.max_attempts)
@@ -198,7 +198,7 @@ def _what_was_done(days: list[date] | None, recorded: dict[date, int | None]) ->
 
 
 async def record(
-    settings: Settings, period: date | None, today: date, now: float | None = None
+    settings: ToolSettings, period: date | None, today: date, now: float | None = None
 ) -> dict[date, int | None]:
     """Record ``period``'s recap, or else each day due (days_to_recap), once each.
 
@@ -234,7 +234,7 @@ async def record(
     return recorded
 
 
-def _main(args: argparse.Namespace, settings: Settings) -> int:
+def _main(args: argparse.Namespace, settings: ToolSettings) -> int:
     stop_on_sigterm()  # until record() handles SIGTERM on its event loop
     today = datetime.now().astimezone().date()
     if args.period:

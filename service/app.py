@@ -43,7 +43,7 @@ def make_mailer(settings: Settings) -> Mailer:
     if settings.mail.smtp is None:
         return LogMailer()
     # The SMTP timeout stays inside the job timeout so a hung server fails the attempt.
-    return SmtpMailer(settings.mail.smtp, timeout=settings.jobs.timeout)
+    return SmtpMailer(settings.mail.smtp, timeout=settings.pool.timeout)
 
 
 def create_app(settings: Settings, notifier: Notifier | None = None) -> web.Application:
@@ -101,9 +101,9 @@ async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
     mailer = make_mailer(settings)
     context = JobContext(mailer, settings.mail.sender, settings.mail.admin_emails)
     config = PoolConfig(
-        workers=settings.jobs.workers,
-        job_timeout=settings.jobs.timeout,
-        backoff_base=settings.jobs.backoff,
+        workers=settings.pool.workers,
+        job_timeout=settings.pool.timeout,
+        backoff_base=settings.pool.backoff,
     )
     pool = WorkerPool(app[STORE], context, HANDLERS, config, observer=app[METRICS])
     app[STORE].add_wakeup_listener(pool.notify)
@@ -115,7 +115,7 @@ async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
     def still_stopping(status: str) -> None:
         notifier.extend_timeout(EXTEND_STOP_SECONDS, status)
 
-    left = await pool.stop(settings.jobs.drain_timeout, still_stopping)
+    left = await pool.stop(settings.pool.drain_timeout, still_stopping)
     await mailer.close()  # after the last job: a QUIT to each idle SMTP connection
     if left:
         log.warning(

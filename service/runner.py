@@ -96,7 +96,7 @@ async def serve(settings: Settings, stop_asked: Callable[[], bool] = _not_asked)
             "ready",
             extra={
                 "LISTEN": address,
-                "WORKERS": settings.jobs.workers,
+                "WORKERS": settings.pool.workers,
                 "STARTUP_MS": round((time.monotonic() - started) * 1000, 1),
                 "MAILER": "smtp" if settings.mail.smtp else "log",
                 "OPEN_FILES_LIMIT": open_files,

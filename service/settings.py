@@ -1,6 +1,7 @@
 """Configuration: built once from the environment, then passed around frozen,
 one group per concern (``settings.http``, ``.store``, ``.mail``, ``.jobs``,
-``.backup``, ``.log``, ``.systemd``, ``.faults``).
+``.pool``, ``.backup``, ``.log``, ``.systemd``, ``.faults``); the timer jobs
+and admin commands get ``ToolSettings``, without toko-api's groups.
 
 Nothing else in the service reads ``os.environ``; a bad value stops start-up
 with one line that names the variable. Each TOKO_ variable is declared once,
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from service.settings_parsers import ConfigError, SmtpTarget, is_postgres_url
@@ -36,10 +37,12 @@ __all__ = [
     "JobSettings",
     "LogSettings",
     "MailSettings",
+    "PoolSettings",
     "Settings",
     "SmtpTarget",
     "StoreSettings",
     "SystemdSettings",
+    "ToolSettings",
     "check_for_api",
     "output_is_journal",
 ]
@@ -82,16 +85,24 @@ class MailSettings:
 
 @dataclass(frozen=True)
 class JobSettings:
-    workers: int = DEFAULTS["jobs.workers"]
+    """The jobs every program enqueues or prunes."""
+
     # With the default backoff, between 4.6 and 9 hours of retries (the delay
     # doubles from 2 s up to an hour): a mail outage of a few hours ends with
     # every email delivered, not kept as failed for someone to retry by hand.
     max_attempts: int = DEFAULTS["jobs.max_attempts"]
-    backoff: float = DEFAULTS["jobs.backoff"]
-    timeout: float = DEFAULTS["jobs.timeout"]
-    drain_timeout: float = DEFAULTS["jobs.drain_timeout"]
     # Done jobs older than this are pruned by toko-recap.
     retention: float = DEFAULTS["jobs.retention"]
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """toko-api's worker pool."""
+
+    workers: int = DEFAULTS["pool.workers"]
+    backoff: float = DEFAULTS["pool.backoff"]
+    timeout: float = DEFAULTS["pool.timeout"]
+    drain_timeout: float = DEFAULTS["pool.drain_timeout"]
 
 
 @dataclass(frozen=True)
@@ -124,43 +135,22 @@ class FaultSettings:
 
 
 @dataclass(frozen=True)
-class Settings:
-    """Every program's settings, one frozen group per concern; a program
-    reads the groups it needs (the spec's ``programs`` say which)."""
+class ToolSettings:
+    """What the timer jobs and admin commands use: the store, the jobs they
+    enqueue, backups, logging. Every program reads and checks every variable
+    (a typo fails alike everywhere); these keep the groups they need."""
 
-    http: HttpSettings = field(default_factory=HttpSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
-    mail: MailSettings = field(default_factory=MailSettings)
     jobs: JobSettings = field(default_factory=JobSettings)
     backup: BackupSettings = field(default_factory=BackupSettings)
     log: LogSettings = field(default_factory=LogSettings)
-    systemd: SystemdSettings = field(default_factory=SystemdSettings)
-    faults: FaultSettings = field(default_factory=FaultSettings)
     # TOKO_ variables set but read by nothing: see unknown_variables_line().
     unknown_variables: tuple[str, ...] = ()
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> Settings:
-        group: dict[str, dict[str, Any]] = {}
-        for path, value in read_variables(environ).items():
-            name, _, attribute = path.partition(".")
-            group.setdefault(name, {})[attribute] = value
-        return cls(
-            http=HttpSettings(**group["http"], listen_given="TOKO_LISTEN" in environ),
-            store=StoreSettings(**group["store"]),
-            mail=MailSettings(**group["mail"]),
-            jobs=JobSettings(**group["jobs"]),
-            backup=BackupSettings(**group["backup"]),
-            log=LogSettings(
-                **group["log"], journal=output_is_journal(environ.get("JOURNAL_STREAM"))
-            ),
-            systemd=SystemdSettings(
-                notify_socket=environ.get("NOTIFY_SOCKET") or None,
-                watchdog_interval=_watchdog_interval(environ),
-            ),
-            faults=FaultSettings(**group["faults"]),
-            unknown_variables=unknown_variables(environ),
-        )
+    def from_env(cls, environ: Mapping[str, str]) -> ToolSettings:
+        full = Settings.from_env(environ)
+        return ToolSettings(**{f.name: getattr(full, f.name) for f in fields(ToolSettings)})
 
     def unknown_variables_line(self) -> str | None:
         """The warning for TOKO_ variables nothing reads, with the likely meant ones.
@@ -176,6 +166,42 @@ class Settings:
         return (
             f"unknown settings ignored: {', '.join(named)} "
             "(README: Configuration lists the known ones)"
+        )
+
+
+@dataclass(frozen=True)
+class Settings(ToolSettings):
+    """toko-api's settings: the tools' groups, and HTTP, mail, the worker
+    pool, systemd's contract and the tests' fault injection."""
+
+    http: HttpSettings = field(default_factory=HttpSettings)
+    mail: MailSettings = field(default_factory=MailSettings)
+    pool: PoolSettings = field(default_factory=PoolSettings)
+    systemd: SystemdSettings = field(default_factory=SystemdSettings)
+    faults: FaultSettings = field(default_factory=FaultSettings)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> Settings:
+        group: dict[str, dict[str, Any]] = {}
+        for path, value in read_variables(environ).items():
+            name, _, attribute = path.partition(".")
+            group.setdefault(name, {})[attribute] = value
+        return cls(
+            http=HttpSettings(**group["http"], listen_given="TOKO_LISTEN" in environ),
+            store=StoreSettings(**group["store"]),
+            mail=MailSettings(**group["mail"]),
+            jobs=JobSettings(**group["jobs"]),
+            pool=PoolSettings(**group["pool"]),
+            backup=BackupSettings(**group["backup"]),
+            log=LogSettings(
+                **group["log"], journal=output_is_journal(environ.get("JOURNAL_STREAM"))
+            ),
+            systemd=SystemdSettings(
+                notify_socket=environ.get("NOTIFY_SOCKET") or None,
+                watchdog_interval=_watchdog_interval(environ),
+            ),
+            faults=FaultSettings(**group["faults"]),
+            unknown_variables=unknown_variables(environ),
         )
 
 

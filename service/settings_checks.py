@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 from service.settings_parsers import ConfigError
 
 if TYPE_CHECKING:
-    from service.settings import Settings
+    from service.settings import ToolSettings
 
 
-def check_database_folder(settings: Settings) -> None:
+def check_database_folder(settings: ToolSettings) -> None:
     """Fail, naming TOKO_DATABASE, where the SQLite file is a folder, or it or its
     folder is read-only or not the user's to write.
 

@@ -207,7 +207,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_WORKERS",
-        "jobs.workers",
+        "pool.workers",
         "concurrent job workers",
         _API,
         int_between(1, 256),
@@ -226,7 +226,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_JOB_BACKOFF",
-        "jobs.backoff",
+        "pool.backoff",
         "base seconds of the exponential retry backoff",
         _API,
         seconds(0.0, 3600.0),
@@ -236,7 +236,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_JOB_TIMEOUT",
-        "jobs.timeout",
+        "pool.timeout",
         "seconds one attempt may take",
         _API,
         seconds(0.1, 3600.0),
@@ -246,7 +246,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "TOKO_DRAIN_TIMEOUT",
-        "jobs.drain_timeout",
+        "pool.drain_timeout",
         "seconds running jobs get to finish when toko-api stops",
         _API,
         seconds(0.0, 3600.0),

@@ -4,14 +4,14 @@ and ``admin``."""
 
 from __future__ import annotations
 
-from service.settings import Settings
+from service.settings import ToolSettings
 from service.store.base import StoreError, write_error
 from service.store.roles import Store
 
 __all__ = ["Store", "StoreError", "open_store", "write_error"]
 
 
-def open_store(settings: Settings, *, application_name: str = "toko-api") -> Store:
+def open_store(settings: ToolSettings, *, application_name: str = "toko-api") -> Store:
     """The store TOKO_DATABASE names (not yet opened: call ``await store.open()``).
 
     ``application_name`` labels PostgreSQL connections (pg_stat_activity), so

@@ -664,7 +664,7 @@ def test_default_retries_outlast_a_mail_outage_of_hours() -> None:
     # The settings toko-api starts with when nothing is configured.
     settings = Settings.from_env({})
     shortest = sum(
-        backoff_delay(attempt, settings.jobs.backoff, workers.MAX_BACKOFF_SECONDS, LowestJitter())
+        backoff_delay(attempt, settings.pool.backoff, workers.MAX_BACKOFF_SECONDS, LowestJitter())
         for attempt in range(1, settings.jobs.max_attempts)  # the delays between attempts
     )
     assert shortest > 4 * 3600, shortest
@@ -674,7 +674,7 @@ def test_a_lease_is_twice_the_job_timeout_and_30_s_90_s_by_default() -> None:
     # Another PostgreSQL host takes over a dead host's job once its lease is
     # over: the README tells admins how long that is.
     settings = Settings.from_env({})
-    config = PoolConfig(workers=settings.jobs.workers, job_timeout=settings.jobs.timeout)
+    config = PoolConfig(workers=settings.pool.workers, job_timeout=settings.pool.timeout)
     assert config.lease_seconds == 90
     assert PoolConfig(workers=1, job_timeout=5.0).lease_seconds == 40
 

@@ -18,11 +18,11 @@ def test_defaults_need_no_configuration() -> None:
     assert s.mail.smtp is None
     assert s.mail.admin_emails == ("admin@toko.com",)
     assert s.mail.sender == "toko@localhost"
-    assert s.jobs.workers == 3
+    assert s.pool.workers == 3
     # The README's "4.6 to 9 hours of retries" rests on these two.
-    assert (s.jobs.max_attempts, s.jobs.backoff) == (20, 2.0)
-    assert s.jobs.timeout == 30.0
-    assert s.jobs.drain_timeout == 10.0
+    assert (s.jobs.max_attempts, s.pool.backoff) == (20, 2.0)
+    assert s.pool.timeout == 30.0
+    assert s.pool.drain_timeout == 10.0
     assert s.http.client_timeout == 75.0
     assert s.log.level == "INFO"
     assert s.http.api_token is None

@@ -119,7 +119,7 @@ def check_contract(env: dict[str, str]) -> Settings | None:
 def check_used_as_written(env: dict[str, str], settings: Settings) -> None:
     """A number that was taken is the one written."""
     for name, taken in [
-        ("TOKO_WORKERS", settings.jobs.workers),
+        ("TOKO_WORKERS", settings.pool.workers),
         ("TOKO_BACKUP_KEEP", settings.backup.keep),
     ]:
         raw = env.get(name, "").strip()
