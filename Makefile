@@ -12,9 +12,17 @@ APT_BUILD := python3-venv python3-dev libsystemd-dev pkg-config gcc
 APT_TEST := systemd-container debootstrap
 APT_PG := postgresql postgresql-client
 APT_TRACE := strace
+# The man pages are rendered by the tests as man and lintian render them.
+APT_MAN := groff-base man-db
 APT_BENCH := wrk redis-server
+# The Debian package (debian/): one .deb per release, each built in a clean
+# tree of that release (scripts/build_deb.py), into dist/deb/<suite>/.
+DEB_SUITES ?= bookworm trixie
+# `make lock` resolves requirements/*.txt with this uv, in a venv of its own.
+UV_VERSION ?= 0.13.9
+LOCK_VENV := build/lock-venv
 
-.PHONY: help venv run test test-unit test-system lint bench install uninstall clean
+.PHONY: help venv run test test-unit test-system lint bench deb lock install uninstall clean
 
 help:
 	@echo "make run          run toko-api on 127.0.0.1:8080 (SQLite in ./var, mail to the log)"
@@ -22,7 +30,10 @@ help:
 	@echo "make test-unit    the tests without the systemd container"
 	@echo "make test-system  only the systemd container tests"
 	@echo "make bench        load benchmarks (results in bench/results/; BENCH_ARGS=\"--smoke -s a\")"
-	@echo "sudo make install / uninstall   deploy as systemd services"
+	@echo "make deb          the Debian packages for $(DEB_SUITES) (dist/deb/<suite>/)"
+	@echo "make lock         refresh the hash-locked requirements the package is built from"
+	@echo "sudo make install   build the package for this host's Debian and apt-get install it"
+	@echo "sudo make uninstall apt-get remove toko (keeps /etc/toko and /var/lib/toko)"
 
 $(BIN)/.installed: pyproject.toml
 	./scripts/ensure-apt.sh $(APT_BUILD)
@@ -39,16 +50,16 @@ run: venv
 		$(BIN)/toko-api
 
 lint: venv
-	$(BIN)/ruff check service jobs tests bench
-	$(BIN)/ruff format --check service jobs tests bench
+	$(BIN)/ruff check service jobs tests bench scripts
+	$(BIN)/ruff format --check service jobs tests bench scripts
 	$(BIN)/mypy
 
 test: venv lint
-	./scripts/ensure-apt.sh $(APT_TEST) $(APT_PG) $(APT_TRACE)
+	./scripts/ensure-apt.sh $(APT_TEST) $(APT_PG) $(APT_TRACE) $(APT_MAN)
 	$(BIN)/pytest
 
 test-unit: venv
-	./scripts/ensure-apt.sh $(APT_PG) $(APT_TRACE)
+	./scripts/ensure-apt.sh $(APT_PG) $(APT_TRACE) $(APT_MAN)
 	$(BIN)/pytest -m "not system"
 
 test-system: venv
@@ -63,11 +74,33 @@ bench: venv $(BIN)/.bench-installed
 	./scripts/ensure-apt.sh $(APT_BENCH) $(APT_PG)
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
+deb:
+	./scripts/ensure-apt.sh $(APT_TEST)
+	for suite in $(DEB_SUITES); do $(PYTHON) scripts/build_deb.py --suite $$suite || exit 1; done
+
+$(LOCK_VENV)/.uv-$(UV_VERSION):
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install -q 'uv==$(UV_VERSION)'
+	touch $@
+
+# Newest versions for every Python from 3.11 (Debian 12) on, with the hashes of
+# all their files: the package build installs nothing else (--require-hashes).
+lock: $(LOCK_VENV)/.uv-$(UV_VERSION)
+	$(LOCK_VENV)/bin/uv pip compile --quiet --upgrade --universal --generate-hashes \
+		--python-version 3.11 --custom-compile-command "make lock" \
+		pyproject.toml -o requirements/runtime.txt
+	$(LOCK_VENV)/bin/uv pip compile --quiet --upgrade --universal --generate-hashes \
+		--python-version 3.11 --custom-compile-command "make lock" \
+		requirements/build.in -o requirements/build.txt
+
+# A bare server builds for its own release with its own python3 (the build
+# installs what debian/control's Build-Depends lists), then installs the package.
 install:
-	./deploy/install.sh
+	./scripts/ensure-apt.sh python3
+	deb=$$($(PYTHON) scripts/build_deb.py --suite host) && apt-get install -y "$$deb"
 
 uninstall:
-	./deploy/uninstall.sh
+	apt-get remove -y toko
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -51,7 +51,7 @@ IDS_SHOWN = 20  # ids a retry of every failed or waiting job prints, beyond: a c
 PG_HINT = (
     "no database password: run it as root with the credential, e.g. sudo systemd-run "
     "--pipe --wait --quiet --collect --uid=toko "
-    f"-p LoadCredential=db-password:/etc/toko/db-password /opt/toko/venv/bin/{PROG} stats"
+    f"-p LoadCredential=db-password:/etc/toko/db-password /usr/bin/{PROG} stats"
 )
 
 

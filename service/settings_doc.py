@@ -81,9 +81,11 @@ def help_epilog() -> str:
 
 _ENV_HEADER = """\
 # toko configuration, read by {readers}
-# (EnvironmentFile= of their units), and by {queue} itself. Installed once
-# by deploy/install.sh and never overwritten: upgrades keep your changes.
-# Apply changes with: systemctl restart toko-api
+# (EnvironmentFile= of their units), and by {queue} itself. A conffile of
+# the toko package: upgrades keep your changes (dpkg asks when both changed).
+# Check an edit, then apply it:
+#   toko-api --check-config --env-file /etc/toko/toko.env
+#   systemctl restart toko-api
 # Syntax: VAR=value, one a line, no "export"; a comment goes on a line of its
 # own ("VAR=x # note" sets VAR to "x # note").
 # Secrets do not belong here: give the SMTP password as a systemd credential

@@ -115,7 +115,7 @@ async def test_a_unit_named_with_a_leading_dash_reaches_the_alert(tmp_path: Path
         if line.startswith("ExecStart=")
     ]
     command, *args = shlex.split(re.sub(r"\$\{\w+\}", "", exec_start.replace("%i", "-.mount")))
-    assert command == "/opt/toko/venv/bin/toko-alert"
+    assert command == "/usr/bin/toko-alert"
     database = tmp_path / "toko.db"
     store = SqliteStore(str(database))
     await store.open()
