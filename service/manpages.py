@@ -5,7 +5,8 @@ settings spec. Tests hold deploy/man/ to this output.
 
     python -m service.manpages write deploy/man    # rewrite the pages
     python -m service.manpages check deploy/man    # exit 1 if one is stale
-    python -m service.manpages completions DIR     # bash completions (shtab)
+    python -m service.manpages completions deploy/bash-completion   # (shtab)
+    python -m service.manpages check-completions deploy/bash-completion
 
 A development tool: argparse-manpage and shtab are test dependencies, and
 nothing the services run imports this module.
@@ -482,11 +483,12 @@ def pages() -> dict[str, str]:
     return made
 
 
-def stale(folder: Path) -> list[Path]:
-    """The pages in ``folder`` that differ from the generated ones, or are missing."""
+def stale(folder: Path, generated: dict[str, str] | None = None) -> list[Path]:
+    """The files in ``folder`` that differ from ``generated`` (the pages by
+    default), or are missing."""
     return [
         folder / name
-        for name, text in pages().items()
+        for name, text in (pages() if generated is None else generated).items()
         if not (folder / name).is_file() or (folder / name).read_text() != text
     ]
 
@@ -536,8 +538,19 @@ def main(argv: list[str]) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         for name, text in completions().items():
             (folder / name).write_text(text)
+    elif len(argv) == 2 and argv[0] == "check-completions":
+        old = stale(Path(argv[1]), completions())
+        for path in old:
+            print(
+                f"{path} is stale: python -m service.manpages completions {argv[1]}",
+                file=sys.stderr,
+            )
+        return 1 if old else 0
     else:
-        print("usage: python -m service.manpages write|check|completions DIR", file=sys.stderr)
+        print(
+            "usage: python -m service.manpages write|check|completions|check-completions DIR",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

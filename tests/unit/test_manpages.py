@@ -34,6 +34,13 @@ def test_the_committed_pages_are_the_generated_ones(made: dict[str, str]) -> Non
     assert sorted(p.name for p in MAN.iterdir()) == sorted(PAGES), "a page nobody generates"
 
 
+def test_the_committed_completions_are_the_generated_ones() -> None:
+    folder = ROOT / "deploy" / "bash-completion"
+    stale = manpages.stale(folder, manpages.completions())
+    assert not stale, f"stale: {stale}; run: python -m service.manpages completions {folder}"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(PROGRAMS)
+
+
 def test_the_pages_do_not_change_from_run_to_run(monkeypatch: pytest.MonkeyPatch) -> None:
     # No date from the clock, no width from the terminal.
     first = manpages.pages()
