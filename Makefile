@@ -35,16 +35,22 @@ help:
 	@echo "sudo make install   build the package for this host's Debian and apt-get install it"
 	@echo "sudo make uninstall apt-get remove toko (keeps /etc/toko and /var/lib/toko)"
 
-$(BIN)/.installed: pyproject.toml
+# What running toko needs, and no more: `make run` stops here.
+$(BIN)/.runtime-installed: pyproject.toml
 	./scripts/ensure-apt.sh $(APT_BUILD)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# The test and lint tools on top.
+$(BIN)/.installed: $(BIN)/.runtime-installed
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
 venv: $(BIN)/.installed
 
-run: venv
+run: $(BIN)/.runtime-installed
 	mkdir -p var
 	TOKO_LISTEN=$${TOKO_LISTEN:-127.0.0.1:8080} TOKO_DATABASE=$${TOKO_DATABASE:-var/toko.db} \
 		$(BIN)/toko-api

@@ -1,4 +1,5 @@
-"""Logging: structured journal entries under systemd, JSON lines elsewhere.
+"""Logging: structured journal entries under systemd, JSON lines for pipes
+and files, and one readable line per event for a person at a terminal.
 
 Code attaches fields with ``extra={"JOB_ID": 7, ...}``; upper-case names become
 journal fields (``journalctl JOB_ID=7``) or keys of the JSON line.
@@ -137,6 +138,29 @@ class JsonLineFormatter(logging.Formatter):
         return _ENCODER.encode(line)
 
 
+class ConsoleFormatter(logging.Formatter):
+    """Local time, level, message, then the fields as KEY=value: what someone
+    trying toko in a terminal reads. A value with blanks, quotes or line
+    breaks (an email's body) is quoted as JSON, so each event stays one line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = time.strftime("%H:%M:%S", time.localtime(record.created))
+        line = f"{when} {record.levelname:<7} {record.getMessage()}"
+        fields = record_fields(record)
+        if fields:
+            line += "  " + " ".join(f"{k}={_console_value(v)}" for k, v in sorted(fields.items()))
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def _console_value(value: object) -> str:
+    text = str(value)
+    if text and not any(c.isspace() or c in '"=' for c in text):
+        return text
+    return _ENCODER.encode(text)
+
+
 class StructuredJournalHandler(JournalHandler):  # type: ignore[misc]
     """systemd-python's JournalHandler, sending only our fields.
 
@@ -197,8 +221,9 @@ def setup_logging(
     identifier: str,
     flush_timeout: float = JournalSender.FLUSH_TIMEOUT_S,
 ) -> None:
-    """Log to the journal or as JSON lines on stdout; ``flush_timeout`` is how
-    long the exit waits for a journald that does not read (JournalSender)."""
+    """Log to the journal, or to stdout: readable lines on a terminal, JSON
+    lines otherwise; ``flush_timeout`` is how long the exit waits for a
+    journald that does not read (JournalSender)."""
     # Per the logging HOWTO's "Optimization" advice: skip the stack walk for the
     # caller's file/line and the process/thread look-ups on every record. The
     # log mailer logs one line per email, so this is on the hot path.
@@ -215,7 +240,7 @@ def setup_logging(
         handler.setFormatter(logging.Formatter("%(message)s"))
     else:
         handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(JsonLineFormatter())
+        handler.setFormatter(ConsoleFormatter() if sys.stdout.isatty() else JsonLineFormatter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
