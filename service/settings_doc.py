@@ -165,7 +165,7 @@ def _stale() -> list[Path]:
     return stale
 
 
-# The same words for the man pages (service.manpages) as for the help and the env example.
+# The same words for the man pages (scripts/manpages.py) as for the help and the env example.
 plain_text = _plain
 default_words = _default_words
 

@@ -1,4 +1,4 @@
-"""The man pages in deploy/man/ are the ones service.manpages makes from the
+"""The man pages in deploy/man/ are the ones scripts.manpages makes from the
 commands' parsers and the settings spec, and render without a warning."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from service import __version__, manpages
+from scripts import manpages
+from service import __version__
 from service.settings_spec import PROGRAMS, VARIABLES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,14 +31,14 @@ def made() -> dict[str, str]:
 def test_the_committed_pages_are_the_generated_ones(made: dict[str, str]) -> None:
     assert sorted(made) == sorted(PAGES)
     stale = manpages.stale(MAN)
-    assert not stale, f"stale: {stale}; run: python -m service.manpages write deploy/man"
+    assert not stale, f"stale: {stale}; run: python -m scripts.manpages write deploy/man"
     assert sorted(p.name for p in MAN.iterdir()) == sorted(PAGES), "a page nobody generates"
 
 
 def test_the_committed_completions_are_the_generated_ones() -> None:
     folder = ROOT / "deploy" / "bash-completion"
     stale = manpages.stale(folder, manpages.completions())
-    assert not stale, f"stale: {stale}; run: python -m service.manpages completions {folder}"
+    assert not stale, f"stale: {stale}; run: python -m scripts.manpages completions {folder}"
     assert sorted(p.name for p in folder.iterdir()) == sorted(PROGRAMS)
 
 
@@ -162,7 +163,7 @@ def test_the_services_do_not_load_the_generator() -> None:
     probe = (
         "import sys\n"
         "import service.app, service.cli, jobs.alert, jobs.backup, jobs.queue_admin, jobs.recap\n"
-        "print(sorted(m for m in ('service.manpages', 'argparse_manpage', 'shtab')"
+        "print(sorted(m for m in ('scripts.manpages', 'argparse_manpage', 'shtab')"
         " if m in sys.modules))\n"
     )
     done = subprocess.run(

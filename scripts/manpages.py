@@ -3,10 +3,10 @@ toko-queue(8) and toko-alert(8) from each command's parser (``build_parser()``,
 the source of its --help too) with argparse-manpage, and toko.env(5) from the
 settings spec. Tests hold deploy/man/ to this output.
 
-    python -m service.manpages write deploy/man    # rewrite the pages
-    python -m service.manpages check deploy/man    # exit 1 if one is stale
-    python -m service.manpages completions deploy/bash-completion   # (shtab)
-    python -m service.manpages check-completions deploy/bash-completion
+    python -m scripts.manpages write deploy/man    # rewrite the pages
+    python -m scripts.manpages check deploy/man    # exit 1 if one is stale
+    python -m scripts.manpages completions deploy/bash-completion   # (shtab)
+    python -m scripts.manpages check-completions deploy/bash-completion
 
 A development tool: argparse-manpage and shtab are test dependencies, and
 nothing the services run imports this module.
@@ -531,7 +531,7 @@ def main(argv: list[str]) -> int:
     elif len(argv) == 2 and argv[0] == "check":
         old = stale(Path(argv[1]))
         for path in old:
-            print(f"{path} is stale: python -m service.manpages write {argv[1]}", file=sys.stderr)
+            print(f"{path} is stale: python -m scripts.manpages write {argv[1]}", file=sys.stderr)
         return 1 if old else 0
     elif len(argv) == 2 and argv[0] == "completions":
         folder = Path(argv[1])
@@ -542,13 +542,13 @@ def main(argv: list[str]) -> int:
         old = stale(Path(argv[1]), completions())
         for path in old:
             print(
-                f"{path} is stale: python -m service.manpages completions {argv[1]}",
+                f"{path} is stale: python -m scripts.manpages completions {argv[1]}",
                 file=sys.stderr,
             )
         return 1 if old else 0
     else:
         print(
-            "usage: python -m service.manpages write|check|completions|check-completions DIR",
+            "usage: python -m scripts.manpages write|check|completions|check-completions DIR",
             file=sys.stderr,
         )
         return 2
