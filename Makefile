@@ -10,6 +10,8 @@ APT_BUILD := python3-venv python3-dev libsystemd-dev pkg-config gcc
 # the store suite also runs on a throwaway PostgreSQL cluster; strace shows
 # what reaches the disk, and when (a commit before its 201, for one).
 APT_TEST := systemd-container debootstrap
+# promtool tests the shipped alert rules; a real Prometheus fires one.
+APT_PROM := prometheus
 APT_PG := postgresql postgresql-client
 APT_TRACE := strace
 # The man pages are rendered by the tests as man and lintian render them.
@@ -59,13 +61,14 @@ lint: venv
 	$(BIN)/ruff check service jobs tests bench scripts
 	$(BIN)/ruff format --check service jobs tests bench scripts
 	$(BIN)/mypy
+	$(BIN)/python -m scripts.check_links README.md docs
 
 test: venv lint
-	./scripts/ensure-apt.sh $(APT_TEST) $(APT_PG) $(APT_TRACE) $(APT_MAN)
+	./scripts/ensure-apt.sh $(APT_TEST) $(APT_PG) $(APT_TRACE) $(APT_MAN) $(APT_PROM)
 	$(BIN)/pytest
 
 test-unit: venv
-	./scripts/ensure-apt.sh $(APT_PG) $(APT_TRACE) $(APT_MAN)
+	./scripts/ensure-apt.sh $(APT_PG) $(APT_TRACE) $(APT_MAN) $(APT_PROM)
 	$(BIN)/pytest -m "not system"
 
 test-system: venv

@@ -17,11 +17,12 @@ from pathlib import Path
 from jobs import sqlite_backup
 from jobs.backup_files import print_backups
 from jobs.common import JobFailed, add_version, run_job, stop_on_sigterm
+from jobs.textfile import reported
 from service.settings import ToolSettings
 from service.settings_spec import VARIABLES
 
 
-def _sqlite(args: argparse.Namespace, settings: ToolSettings) -> int:
+def _sqlite(args: argparse.Namespace, settings: ToolSettings, figures: dict[str, float]) -> int:
     folder = Path(settings.backup.dir)
     try:
         if args.list:
@@ -32,7 +33,11 @@ def _sqlite(args: argparse.Namespace, settings: ToolSettings) -> int:
             if kept:
                 print(f"the previous database is kept as {kept}")
         else:
-            print(sqlite_backup.make_backup(settings.store.database, folder, settings.backup.keep))
+            written = sqlite_backup.make_backup(
+                settings.store.database, folder, settings.backup.keep
+            )
+            print(written)
+            figures["size_bytes"] = written.stat().st_size
     except (OSError, sqlite3.Error) as exc:
         raise JobFailed(str(exc)) from exc
     return 0
@@ -47,7 +52,7 @@ def _postgres_folder(settings: ToolSettings) -> Path:
     return Path(settings.backup.dir)
 
 
-def _postgres(args: argparse.Namespace, settings: ToolSettings) -> int:
+def _postgres(args: argparse.Namespace, settings: ToolSettings, figures: dict[str, float]) -> int:
     # Imported here, not above: only a PostgreSQL run pays for loading asyncpg.
     # (No cycle either way: neither backend imports this module.)
     from jobs import pg_backup
@@ -63,15 +68,27 @@ def _postgres(args: argparse.Namespace, settings: ToolSettings) -> int:
             if kept:
                 print(f"the previous contents are kept as {kept}")
         else:
-            print(pg_backup.make_backup(settings, folder, settings.backup.keep))
+            written = pg_backup.make_backup(settings, folder, settings.backup.keep)
+            print(written)
+            figures["size_bytes"] = written.stat().st_size
     except (OSError, subprocess.SubprocessError) as exc:
         raise JobFailed(str(exc)) from exc
     return 0
 
 
-def _main(args: argparse.Namespace, settings: ToolSettings) -> int:
+# The run's own figures in its report to node_exporter (jobs.textfile).
+REPORT_FIGURES = {"size_bytes": "Size of the backup the last successful run wrote."}
+
+
+def _main(args: argparse.Namespace, settings: ToolSettings, figures: dict[str, float]) -> int:
     stop_on_sigterm()
-    return _postgres(args, settings) if settings.store.is_postgres else _sqlite(args, settings)
+    backend = _postgres if settings.store.is_postgres else _sqlite
+    return backend(args, settings, figures)
+
+
+def _is_backup(args: argparse.Namespace) -> bool:
+    """Whether the run makes a backup (the timer's), not an admin's --list or --restore."""
+    return not (args.list or args.restore)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
             "(default: backups/ beside the database). toko-backup.timer starts it every "
             "night, and after a boot when the host was off at that time (systemctl "
             "list-timers). --list and --restore are for an admin, run with the service's user "
-            "and settings (systemd-run, README: Every day)."
+            "and settings (systemd-run: see /usr/share/doc/toko/docs/how-to/run-commands.md)."
         ),
     )
     add_version(parser)
@@ -100,4 +117,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    return run_job("toko-backup", build_parser(), _main)
+    body = reported("toko-backup", REPORT_FIGURES, _main, when=_is_backup)
+    return run_job("toko-backup", build_parser(), body)

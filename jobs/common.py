@@ -152,8 +152,8 @@ def _run_job(
             # without the service's settings (another database, even).
             raise JobFailed(
                 f"run as the database's owner ({owner}) with the service's settings,"
-                " not as root: through systemd-run, as the README's toko helper does"
-                " (README: Every day)"
+                " not as root: through systemd-run, as the toko helper of"
+                " /usr/share/doc/toko/docs/how-to/run-commands.md does"
             )
         return body(args, settings)
     except JobFailed as exc:

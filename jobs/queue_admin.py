@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             f"environment: as toko-api's; {DEFAULT_ENV_FILE} is read when it exists and "
             "TOKO_DATABASE is not set. Run as the service user: sudo -u toko toko-queue stats "
-            "(on PostgreSQL with the password credential, see the README)"
+            "(on PostgreSQL with the password credential: see "
+            "/usr/share/doc/toko/docs/how-to/several-hosts.md)"
         ),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

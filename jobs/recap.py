@@ -31,6 +31,7 @@ from jobs.common import (
     stop_on_sigterm,
 )
 from jobs.retention import prune_done_jobs
+from jobs.textfile import reported
 from service.settings import ToolSettings
 from service.store import open_store
 from service.store.base import StoreError
@@ -131,7 +132,8 @@ async def _shared_today(store: Store, today: date) -> date:
     return shared
 
 
-async def _record_day(store: Store, settings: ToolSettings, day: date) -> int | None:
+async def _record_day(store: Store, settings: ToolSettings, day: date) -> tuple[int | None, int]:
+    """The day's email job id (None: recorded already) and its new products."""
     start, end = period_bounds(day)
     total, new = await store.product_counts(start, end)
     job = recap_email_job(day.isoformat(), total, new, settings.jobs.max_attempts)
@@ -141,7 +143,7 @@ async def _record_day(store: Store, settings: ToolSettings, day: date) -> int | 
         log.info("recap already recorded for this period; nothing to do", extra=fields)
     else:
         log.info("recap recorded", extra={**fields, "JOB_ID": job_id})
-    return job_id
+    return job_id, new
 
 
 class _StopBetweenDays:
@@ -198,12 +200,17 @@ def _what_was_done(days: list[date] | None, recorded: dict[date, int | None]) ->
 
 
 async def record(
-    settings: ToolSettings, period: date | None, today: date, now: float | None = None
+    settings: ToolSettings,
+    period: date | None,
+    today: date,
+    now: float | None = None,
+    new_products: dict[date, int] | None = None,
 ) -> dict[date, int | None]:
     """Record ``period``'s recap, or else each day due (days_to_recap), once each.
 
     Then prune done jobs older than the retention. Returns each day's email
-    job id, None where the day was recorded already. A SIGTERM raises
+    job id, None where the day was recorded already; ``new_products`` gets
+    the new products of each day this run recorded. A SIGTERM raises
     Stopped, saying which days were recorded (see _StopBetweenDays).
     """
     stop = _StopBetweenDays()
@@ -220,7 +227,9 @@ async def record(
                 days = [period] if period else await _days_due(store, today)
                 for day in days:
                     with stop.recording():
-                        recorded[day] = await _record_day(store, settings, day)
+                        recorded[day], new = await _record_day(store, settings, day)
+                    if recorded[day] is not None and new_products is not None:
+                        new_products[day] = new
                     if stop.requested:
                         raise Stopped(_what_was_done(days, recorded))
                 # After the recaps, so a pruning problem never costs a period its recap.
@@ -234,17 +243,28 @@ async def record(
     return recorded
 
 
-def _main(args: argparse.Namespace, settings: ToolSettings) -> int:
+# The run's own figures in its report to node_exporter (jobs.textfile).
+REPORT_FIGURES = {
+    "days_recorded": "Days the last successful run recorded; 0: every day due was recorded"
+    " already, by this host or another.",
+    "products_new": "Products created in the days the last successful run recorded.",
+}
+
+
+def _main(args: argparse.Namespace, settings: ToolSettings, figures: dict[str, float]) -> int:
     stop_on_sigterm()  # until record() handles SIGTERM on its event loop
     today = datetime.now().astimezone().date()
     if args.period:
         require_ended(args.period, today)
     if not settings.store.is_postgres:
         require_database(settings.store.database)
+    new_products: dict[date, int] = {}
     try:
-        asyncio.run(record(settings, args.period, today))
+        asyncio.run(record(settings, args.period, today, new_products=new_products))
     except StoreError as exc:
         raise JobFailed(str(exc)) from exc
+    figures["days_recorded"] = len(new_products)
+    figures["products_new"] = sum(new_products.values())
     return 0
 
 
@@ -273,4 +293,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    return run_job("toko-recap", build_parser(), _main)
+    return run_job("toko-recap", build_parser(), reported("toko-recap", REPORT_FIGURES, _main))

@@ -130,7 +130,8 @@ def make_backup(
                 raise
             raise JobFailed(
                 f"the database {database} is damaged: it {damage}. No backup was written;"
-                " the last good ones are kept (README: A damaged database)"
+                " the last good ones are kept"
+                " (see /usr/share/doc/toko/docs/how-to/damaged-database.md)"
             ) from None
         # An emptied database file (or another program's) copies without an
         # error: published, it pushed the last good backups out. PostgreSQL's

@@ -1,4 +1,5 @@
-"""Prometheus metrics for one application: HTTP requests, jobs, queue and workers.
+"""Prometheus metrics for one application: HTTP requests, jobs, queue and workers,
+the build and the process.
 
 Each app has its own CollectorRegistry (never the process-global one), so two
 apps in one process (tests) do not collide and nothing from imported
@@ -10,7 +11,7 @@ set become "OTHER", job kinds are the handlers' kinds.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -19,10 +20,14 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from service import __version__
 from service.models import JOB_STATES, QueueCounts
 from service.workers import JobOutcome
 
@@ -43,6 +48,47 @@ JOB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30
 # (its creation time): twice the series to store, none that toko's alerts or
 # the README's table use. Process-wide, as prometheus-client has it.
 disable_created_metrics()  # type: ignore[no-untyped-call]  # the library has no annotation here
+
+
+class _ProcessCollector(ProcessCollector):
+    """process_* (CPU, memory, file descriptors, start time) of this process.
+
+    The stock collector reads the boot time from /proc/stat and exports
+    nothing without it; the units' ProcSubset=pid hides /proc/stat (only
+    /proc/<pid> is left), so under systemd it exported nothing at all. The
+    boot time is also the wall clock less the time since boot (CLOCK_BOOTTIME,
+    the clock /proc/<pid>/stat counts a start time in).
+    """
+
+    def _boot_time(self) -> float:
+        try:
+            btime: float | None = super()._boot_time()  # type: ignore[no-untyped-call]
+        except OSError:
+            btime = None
+        if btime is None:
+            btime = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+        return btime
+
+
+class _OldestDue(Collector):
+    """toko_queue_oldest_due_age_seconds: set at each scrape, absent when the
+    store did not answer (as toko_queue_jobs is: see Metrics.set_queue)."""
+
+    NAME = "toko_queue_oldest_due_age_seconds"
+    HELP = (
+        "Seconds the oldest due job (pending, its run time passed) has waited unclaimed;"
+        " 0 when none is due. Read at scrape time."
+    )
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self.NAME, self.HELP)
+
+    def collect(self) -> Iterator[Metric]:
+        if self.seconds is not None:
+            yield GaugeMetricFamily(self.NAME, self.HELP, value=self.seconds)
 
 
 def route_label(request: web.Request) -> str:
@@ -85,15 +131,16 @@ class Metrics:
             ["kind"],
             registry=r,
         )
-        self._outcome_counters = {
-            outcome: Counter(
-                f"toko_jobs_{outcome}",
-                f"Job attempts that {outcome}, by kind.",
-                ["kind"],
-                registry=r,
-            )
-            for outcome in OUTCOMES
-        }
+        # One counter with an outcome label, not one per outcome (the naming
+        # guide: a sum over a metric's labels must mean something, here every
+        # attempt): sum without (outcome) is the attempts made.
+        self.job_attempts = Counter(
+            "toko_job_attempts",
+            "Job attempts finished, by kind and outcome: succeeded; retried (failed, another"
+            " attempt comes); failed (the last attempt failed, the job is kept as failed).",
+            ["kind", "outcome"],
+            registry=r,
+        )
         self.job_seconds = Histogram(
             "toko_job_duration_seconds",
             "Time one job attempt took, by kind and outcome (succeeded, retried, failed).",
@@ -120,6 +167,17 @@ class Metrics:
         self.workers_configured = Gauge(
             "toko_workers_configured", "Worker tasks configured (TOKO_WORKERS).", registry=r
         )
+        self.oldest_due = _OldestDue()
+        r.register(self.oldest_due)
+        # The version as a label of a constant 1 (the naming guide's *_info):
+        # joined onto other series, or counted by version during a rollout.
+        Gauge(
+            "toko_build_info",
+            "The toko version running, as the version label.",
+            ["version"],
+            registry=r,
+        ).labels(__version__).set(1)
+        _ProcessCollector(registry=r)
         # Labelled children cached per (kind, outcome): the pool reports
         # thousands of jobs a second and .labels() costs a lock and a lookup.
         self._job_children: dict[tuple[str, JobOutcome], tuple[Counter, Histogram]] = {}
@@ -134,11 +192,11 @@ class Metrics:
 
         A series that first appears at 1 has no earlier sample, so Prometheus'
         increase() and rate() see no change: the first failed email after a
-        start would never fire an alert on toko_jobs_failed_total.
+        start would never fire an alert on toko_job_attempts_total{outcome="failed"}.
         """
         for outcome in OUTCOMES:
             self._job_children[(kind, outcome)] = (
-                self._outcome_counters[outcome].labels(kind),
+                self.job_attempts.labels(kind, outcome),
                 self.job_seconds.labels(kind, outcome),
             )
         self._enqueued_children[kind] = self.jobs_enqueued.labels(kind)
@@ -148,7 +206,7 @@ class Metrics:
         children = self._job_children.get((kind, outcome))
         if children is None:
             children = (
-                self._outcome_counters[outcome].labels(kind),
+                self.job_attempts.labels(kind, outcome),
                 self.job_seconds.labels(kind, outcome),
             )
             self._job_children[(kind, outcome)] = children
@@ -171,9 +229,11 @@ class Metrics:
             # as current a queue nobody could read (alerts on it would neither
             # fire nor resolve while the store is down).
             self.queue_jobs.clear()
+            self.oldest_due.seconds = None
             return
         for state in JOB_STATES:
             self.queue_jobs.labels(state).set(getattr(counts, state))
+        self.oldest_due.seconds = counts.oldest_due_seconds
 
     def set_writable(self, writable: bool) -> None:
         self.store_writable.set(1 if writable else 0)

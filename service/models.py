@@ -7,7 +7,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -56,6 +56,10 @@ class Product:
     nama: str
     harga: int
     created_at: float
+    # 1 when created, one more with each change (and with the delete): what
+    # the ETag is made of. Not in to_json(): the body POST /produk answers
+    # with is part of its contract.
+    version: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -64,6 +68,51 @@ class Product:
             "harga": self.harga,
             "created_at": iso_utc(self.created_at),
         }
+
+    @property
+    def etag(self) -> str:
+        """A strong validator of this version (RFC 9110, 8.8.3): ``"3"``."""
+        return f'"{self.version}"'
+
+
+# What a product's fields may be changed to (PATCH): None leaves one as it is.
+PRODUCT_CHANGE_FIELDS = ("nama", "harga")
+
+
+@dataclass(frozen=True)
+class ProductWritten:
+    """A change or delete that went through (or found nothing to change).
+
+    ``after`` is the product as stored now: for a delete, as it was when it
+    went, at the version the delete gave it; for a change that changed
+    nothing, ``before`` itself (no write, no new version). ``at`` is the
+    store's time of the write, which a job it enqueued was stored with.
+    """
+
+    before: Product
+    after: Product
+    at: float
+    job_id: int | None = None
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The fields the write changed, in PRODUCT_CHANGE_FIELDS order."""
+        return tuple(
+            name
+            for name in PRODUCT_CHANGE_FIELDS
+            if getattr(self.before, name) != getattr(self.after, name)
+        )
+
+
+@dataclass(frozen=True)
+class VersionMismatch:
+    """A write refused: the product is not at a version the client named (If-Match)."""
+
+    current: Product
+
+
+# What a change or delete comes to; None: no such product (or it was deleted).
+ProductWriteOutcome = ProductWritten | VersionMismatch | None
 
 
 @dataclass(frozen=True)
@@ -153,6 +202,29 @@ class QueueCounts:
     running: int = 0
     done: int = 0
     failed: int = 0
+    # How long the oldest pending job has been due and unclaimed, in seconds
+    # (0: none is due). A stuck queue shows here first: its depth may look
+    # normal while nothing is taken. Not in to_json(): /healthz's body is a contract.
+    oldest_due_seconds: float = 0.0
+
+    @classmethod
+    def of(
+        cls, figures: Mapping[JobState, int], oldest_pending_run_at: float | None, now: float
+    ) -> QueueCounts:
+        """From the jobs by state and the earliest ``run_at`` of a pending job.
+
+        That earliest one is the oldest due job when it is due at all; when it
+        is not, no pending job is (a retry waiting for its backoff is not late).
+        """
+        oldest = oldest_pending_run_at
+        due = now - oldest if oldest is not None and oldest <= now else 0.0
+        return cls(
+            pending=figures["pending"],
+            running=figures["running"],
+            done=figures["done"],
+            failed=figures["failed"],
+            oldest_due_seconds=due,
+        )
 
     def to_json(self) -> dict[str, int]:
         return {

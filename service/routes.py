@@ -11,18 +11,28 @@ from aiohttp import hdrs, web
 from service.errors import Refused, abandon_body, body_too_large, json_error
 from service.expect import continue_if_awaited, continue_later
 from service.keys import HEALTH, METRICS, POOL, SETTINGS, STORE
-from service.models import Job, NewJob, Product, stored_job
+from service.models import (
+    Job,
+    NewJob,
+    Product,
+    ProductWriteOutcome,
+    ProductWritten,
+    VersionMismatch,
+    stored_job,
+)
 from service.openapi import openapi_document
 from service.store.base import StoreError
-from service.tasks import PRODUCT_EMAIL, product_email_job
+from service.tasks import PRICE_EMAIL, PRODUCT_EMAIL, price_email_job, product_email_job
 from service.validation import (
     ID_MAX,
     InvalidInput,
     ascii_int,
     idempotency_key,
+    if_match_versions,
     page_params,
     parse_json_object,
     validate_new_product,
+    validate_product_change,
 )
 
 log = logging.getLogger("toko.http")
@@ -37,6 +47,8 @@ GZIP_MAGIC = b"\x1f\x8b"
 # (draft-ietf-httpapi-idempotency-key-header); the replay is marked as such.
 IDEMPOTENCY_KEY = "Idempotency-Key"
 REPLAYED = "Idempotent-Replayed"
+# ASCII digits: \d would also match other scripts' digits, which int() takes.
+PRODUCT_PATH = r"/produk/{id:[0-9]+}"
 
 
 @routes.post("/produk", expect_handler=continue_later)
@@ -61,7 +73,8 @@ async def create_product(request: web.Request) -> web.Response:
     # With a worker slot free, the job is written already claimed and handed
     # straight to the pool; otherwise it waits pending for the claimer.
     product, job_id = await request.app[POOL].enqueue_here(write)
-    headers = {"Location": f"/produk/{product.id}"}
+    # A replay's product is as the first answer had it: version 1, its ETag.
+    headers = {"Location": f"/produk/{product.id}", hdrs.ETAG: product.etag}
     if job_id is None:  # the key's product, stored by an earlier request
         if (product.nama, product.harga) != (nama, harga):
             message = (
@@ -190,19 +203,121 @@ async def list_products(request: web.Request) -> web.Response:
     return web.json_response([p.to_json() for p in products], headers=headers)
 
 
-# ASCII digits: \d would also match other scripts' digits, which int() takes.
-@routes.get(r"/produk/{id:[0-9]+}")
+@routes.get(PRODUCT_PATH)
 async def get_product(request: web.Request) -> web.Response:
-    text = request.match_info["id"]
-    product_id = ascii_int(text, 0, ID_MAX)
-    if product_id is None:  # past 64 bits: no such row can exist
-        # Not echoed whole: the path may be thousands of digits.
-        shown = text if len(text) <= 30 else f"{text[:20]}... ({len(text)} digits)"
-        return json_error(404, f"no product with id {shown}")
+    product_id = _product_id(request)
     product = await request.app[STORE].get_product(product_id)
     if product is None:
-        return json_error(404, f"no product with id {product_id}")
-    return web.json_response(product.to_json())
+        return _no_such_product(product_id)
+    return web.json_response(product.to_json(), headers={hdrs.ETAG: product.etag})
+
+
+# Changes and deletes are conditional (RFC 9110, 13.1.1): If-Match names the
+# version the client read, and the store writes only while the product is
+# still at it, so one client cannot undo another's change unseen. What needs
+# no lookup comes first: an id past 64 bits (404), a missing If-Match (428,
+# RFC 6585) or a malformed one (400), then the body, so a refused client is
+# not asked for it. Then, as RFC 9110 (13.2.1) asks, a product that does not
+# exist, or was deleted, is a 404 whatever If-Match names, and only one that
+# does is a 412. "If-Match: *" is honoured as RFC 9110 (13.1.1) defines it:
+# whatever version the product is at, for a client that means to overwrite
+# it (a cleanup script deleting products, say).
+
+
+@routes.patch(PRODUCT_PATH, expect_handler=continue_later)
+async def update_product(request: web.Request) -> web.Response:
+    product_id = _product_id(request)
+    versions = _if_match(request, product_id)
+    nama, harga = validate_product_change(parse_json_object(await _json_body(request)))
+    max_attempts = request.app[SETTINGS].jobs.max_attempts
+    store = request.app[STORE]
+
+    async def write(leased_for: float | None) -> tuple[ProductWriteOutcome, Job | None]:
+        def make_job(before: Product, after: Product) -> NewJob | None:
+            return price_email_job(before, after, max_attempts, leased_for)
+
+        outcome = await store.update_product(product_id, nama, harga, versions, make_job)
+        if not isinstance(outcome, ProductWritten) or outcome.job_id is None:
+            return outcome, None
+        job = make_job(outcome.before, outcome.after)
+        assert job is not None  # the store enqueued it
+        return outcome, stored_job(outcome.job_id, job, outcome.at)
+
+    # A price change's email, like a new product's, goes straight to a free worker.
+    outcome, job_id = await request.app[POOL].enqueue_here(write)
+    if not isinstance(outcome, ProductWritten):
+        return _not_written(outcome, product_id)
+    product = outcome.after
+    fields: dict[str, object] = {"PRODUCT_ID": product.id, "VERSION": product.version}
+    if not outcome.fields:
+        log.info("product change asks for the values it has; nothing written", extra=fields)
+    else:
+        fields["FIELDS"] = ",".join(outcome.fields)
+        if job_id is not None:
+            fields["JOB_ID"] = job_id
+            request.app[METRICS].job_enqueued(PRICE_EMAIL)
+        log.info("product changed", extra=fields)
+    return web.json_response(product.to_json(), headers={hdrs.ETAG: product.etag})
+
+
+@routes.delete(PRODUCT_PATH, expect_handler=continue_later)
+async def delete_product(request: web.Request) -> web.Response:
+    product_id = _product_id(request)
+    versions = _if_match(request, product_id)
+    outcome = await request.app[STORE].delete_product(product_id, versions)
+    if not isinstance(outcome, ProductWritten):
+        return _not_written(outcome, product_id)
+    tombstone = outcome.after
+    log.info("product deleted", extra={"PRODUCT_ID": tombstone.id, "VERSION": tombstone.version})
+    # No body; the ETag is the version the delete gave the product.
+    return web.Response(status=204, headers={hdrs.ETAG: tombstone.etag})
+
+
+def _product_id(request: web.Request) -> int:
+    """The route's id; Refused with a 404 past 64 bits, where no row can exist."""
+    text = request.match_info["id"]
+    product_id = ascii_int(text, 0, ID_MAX)
+    if product_id is None:
+        # Not echoed whole: the path may be thousands of digits.
+        shown = text if len(text) <= 30 else f"{text[:20]}... ({len(text)} digits)"
+        raise Refused(json_error(404, f"no product with id {shown}"))
+    return product_id
+
+
+def _no_such_product(product_id: int) -> web.Response:
+    # A deleted product is gone from the API: the same answer as one never made.
+    return json_error(404, f"no product with id {product_id}")
+
+
+def _if_match(request: web.Request, product_id: int) -> frozenset[int] | None:
+    """The versions If-Match accepts (None: any); Refused with a 428 without one."""
+    values = request.headers.getall(hdrs.IF_MATCH, ())
+    if not values:
+        raise Refused(
+            json_error(
+                428,
+                f"{request.method} needs If-Match with the ETag of the product as you read it"
+                f" (the ETag header of GET /produk/{product_id}), so that it cannot undo"
+                " a change made since",
+            )
+        )
+    return if_match_versions(values)
+
+
+def _not_written(outcome: VersionMismatch | None, product_id: int) -> web.Response:
+    if outcome is None:
+        return _no_such_product(product_id)
+    current = outcome.current
+    log.info(
+        "product write refused: it is at another version than If-Match names",
+        extra={"PRODUCT_ID": current.id, "VERSION": current.version},
+    )
+    return json_error(
+        412,
+        f"product {current.id} has changed since that version: it is at version"
+        f" {current.version} now (ETag {current.etag}); read it again"
+        f" (GET /produk/{current.id}) and send the change with that ETag",
+    )
 
 
 @routes.get("/healthz")

@@ -1,7 +1,8 @@
 """Configuration: built once from the environment, then passed around frozen,
 one group per concern (``settings.http``, ``.store``, ``.mail``, ``.jobs``,
-``.pool``, ``.backup``, ``.log``, ``.systemd``, ``.faults``); the timer jobs
-and admin commands get ``ToolSettings``, without toko-api's groups.
+``.pool``, ``.backup``, ``.textfile``, ``.log``, ``.systemd``, ``.faults``);
+the timer jobs and admin commands get ``ToolSettings``, without toko-api's
+groups.
 
 Nothing else in the service reads ``os.environ``; a bad value stops start-up
 with one line that names the variable. Each TOKO_ variable is declared once,
@@ -42,6 +43,7 @@ __all__ = [
     "SmtpTarget",
     "StoreSettings",
     "SystemdSettings",
+    "TextfileSettings",
     "ToolSettings",
     "check_for_api",
     "output_is_journal",
@@ -112,6 +114,13 @@ class BackupSettings:
 
 
 @dataclass(frozen=True)
+class TextfileSettings:
+    """Where the timer jobs report to node_exporter's textfile collector."""
+
+    dir: str = DEFAULTS["textfile.dir"]
+
+
+@dataclass(frozen=True)
 class LogSettings:
     level: str = DEFAULTS["log.level"]
     # Whether the output is the journal (JOURNAL_STREAM): fields, not JSON lines.
@@ -143,6 +152,7 @@ class ToolSettings:
     store: StoreSettings = field(default_factory=StoreSettings)
     jobs: JobSettings = field(default_factory=JobSettings)
     backup: BackupSettings = field(default_factory=BackupSettings)
+    textfile: TextfileSettings = field(default_factory=TextfileSettings)
     log: LogSettings = field(default_factory=LogSettings)
     # TOKO_ variables set but read by nothing: see unknown_variables_line().
     unknown_variables: tuple[str, ...] = ()
@@ -163,10 +173,7 @@ class ToolSettings:
         for name in self.unknown_variables:
             meant = closest_known(name)
             named.append(f"{name!r} (meant {meant}?)" if meant else repr(name))
-        return (
-            f"unknown settings ignored: {', '.join(named)} "
-            "(README: Configuration lists the known ones)"
-        )
+        return f"unknown settings ignored: {', '.join(named)} (man toko.env lists the known ones)"
 
 
 @dataclass(frozen=True)
@@ -193,6 +200,7 @@ class Settings(ToolSettings):
             jobs=JobSettings(**group["jobs"]),
             pool=PoolSettings(**group["pool"]),
             backup=BackupSettings(**group["backup"]),
+            textfile=TextfileSettings(**group["textfile"]),
             log=LogSettings(
                 **group["log"], journal=output_is_journal(environ.get("JOURNAL_STREAM"))
             ),

@@ -53,7 +53,7 @@ def check_database_folder(settings: ToolSettings) -> None:
         raise ConfigError(
             f"TOKO_DATABASE names a file in {folder}, which is read-only here: toko's units "
             f"may write only in /var/lib/toko unless a drop-in adds ReadWritePaths={folder} "
-            "(README: A database outside /var/lib/toko)"
+            "(see /usr/share/doc/toko/docs/how-to/database-elsewhere.md)"
         )
     # A folder made, or a database copied in, by root (mkdir, cp): "unable to
     # open database file", exit 1, retried until systemd gave up.

@@ -1,11 +1,12 @@
 """The settings' documentation, generated from their spec (service.settings_spec):
-toko-api's --help epilog, deploy/toko.env.example and the rows of the README's
-configuration table. Tests hold the committed files to this output.
+toko-api's --help epilog, deploy/toko.env.example and the table of the
+configuration reference, docs/reference/configuration.md. Tests hold the
+committed files to this output.
 
     python -m service.settings_doc env-example > deploy/toko.env.example
-    python -m service.settings_doc readme-table   # the rows, for README.md
-    python -m service.settings_doc write          # rewrite both files in place
-    python -m service.settings_doc check          # exit 1 if either is stale
+    python -m service.settings_doc table    # the reference's table
+    python -m service.settings_doc write    # rewrite both files in place
+    python -m service.settings_doc check    # exit 1 if either is stale
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from service.settings_spec import PROGRAMS, VARIABLES, Variable
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV_EXAMPLE = ROOT / "deploy" / "toko.env.example"
-README = ROOT / "README.md"
+REFERENCE = ROOT / "docs" / "reference" / "configuration.md"
 
-# The README's table, under "## Configuration": this header, then one row a variable.
-README_TABLE_HEADER = "| variable | default | meaning |\n| --- | --- | --- |\n"
+# The reference's table, between these two comments (which a rendered page
+# does not show): this header, then one row a variable.
+TABLE_START = "<!-- the settings table: python -m service.settings_doc write -->\n"
+TABLE_END = "<!-- end of the settings table -->\n"
+TABLE_HEADER = "| variable | default | meaning |\n| --- | --- | --- |\n"
 
 _WIDTH = 79
 
@@ -31,7 +35,7 @@ def documented() -> list[Variable]:
 
 
 def _plain(text: str) -> str:
-    """``text`` without the README's code marks."""
+    """``text`` without the Markdown code marks."""
     return text.replace("`", "")
 
 
@@ -89,7 +93,7 @@ _ENV_HEADER = """\
 # Syntax: VAR=value, one a line, no "export"; a comment goes on a line of its
 # own ("VAR=x # note" sets VAR to "x # note").
 # Secrets do not belong here: give the SMTP password as a systemd credential
-# (see "Deploy" in the README).
+# (see CREDENTIALS in man toko.env).
 #
 # Generated from service/settings_spec.py: python -m service.settings_doc write
 """
@@ -123,13 +127,13 @@ def env_example() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _readme_default(variable: Variable) -> str:
+def _table_default(variable: Variable) -> str:
     if variable.default_doc:
         return variable.default_doc
     return f"`{variable.default}`" if variable.default is not None else "unset"
 
 
-def _readme_meaning(variable: Variable) -> str:
+def _table_meaning(variable: Variable) -> str:
     if variable.credential is None:
         return variable.doc or variable.help
     meaning = (
@@ -138,30 +142,27 @@ def _readme_meaning(variable: Variable) -> str:
     return f"{meaning}; {variable.doc}" if variable.doc else meaning
 
 
-def readme_table() -> str:
-    """The rows of the README's configuration table, one a documented variable."""
-    return "".join(
-        f"| `{v.name}` | {_readme_default(v)} | {_readme_meaning(v)} |\n" for v in documented()
+def table() -> str:
+    """The configuration reference's table: its header, then one row a documented variable."""
+    return TABLE_HEADER + "".join(
+        f"| `{v.name}` | {_table_default(v)} | {_table_meaning(v)} |\n" for v in documented()
     )
 
 
-def with_readme_table(readme: str) -> str:
-    """``readme`` with the rows of its configuration table replaced by the spec's."""
-    section = readme.index("\n## Configuration\n")
-    start = readme.index(README_TABLE_HEADER, section) + len(README_TABLE_HEADER)
-    end = start
-    while readme.startswith("|", end):
-        end = readme.index("\n", end) + 1
-    return readme[:start] + readme_table() + readme[end:]
+def with_table(page: str) -> str:
+    """``page`` (the configuration reference) with the spec's table between its markers."""
+    start = page.index(TABLE_START) + len(TABLE_START)
+    end = page.index(TABLE_END, start)
+    return page[:start] + table() + page[end:]
 
 
 def _stale() -> list[Path]:
     stale = []
     if ENV_EXAMPLE.read_text() != env_example():
         stale.append(ENV_EXAMPLE)
-    readme = README.read_text()
-    if with_readme_table(readme) != readme:
-        stale.append(README)
+    page = REFERENCE.read_text()
+    if with_table(page) != page:
+        stale.append(REFERENCE)
     return stale
 
 
@@ -174,13 +175,13 @@ def main(argv: list[str]) -> int:
     command = argv[0] if len(argv) == 1 else ""
     if command == "env-example":
         sys.stdout.write(env_example())
-    elif command == "readme-table":
-        sys.stdout.write(README_TABLE_HEADER + readme_table())
+    elif command == "table":
+        sys.stdout.write(table())
     elif command == "help":
         sys.stdout.write(help_epilog())
     elif command == "write":
         ENV_EXAMPLE.write_text(env_example())
-        README.write_text(with_readme_table(README.read_text()))
+        REFERENCE.write_text(with_table(REFERENCE.read_text()))
     elif command == "check":
         stale = _stale()
         for path in stale:
@@ -188,7 +189,7 @@ def main(argv: list[str]) -> int:
         return 1 if stale else 0
     else:
         print(
-            "usage: python -m service.settings_doc env-example|readme-table|help|write|check",
+            "usage: python -m service.settings_doc env-example|table|help|write|check",
             file=sys.stderr,
         )
         return 2

@@ -142,13 +142,13 @@ VARIABLES: tuple[Variable, ...] = (
         derive=_default_database,
         default_doc="`$STATE_DIRECTORY/toko.db`, else `./var/toko.db`",
         doc="the SQLite file, or a `postgresql://user@host:port/db` URL (see "
-        "[Running on several hosts](#running-on-several-hosts)); a URL whose host or port "
+        "[Run on several hosts](../how-to/several-hosts.md)); a URL whose host or port "
         "cannot be read, or with a slash or the colon missing after `postgresql` (taken for "
         "a file name before), stops start-up without echoing the URL, which may hold a "
         "password; so does a folder, the file in it not named",
         note="$STATE_DIRECTORY is /var/lib/toko under systemd. Several hosts share a "
         "PostgreSQL database instead (password as the credential db-password; see "
-        '"Running on several hosts" in the README):',
+        "/usr/share/doc/toko/docs/how-to/several-hosts.md):",
         examples=("postgresql://toko@db.example.com:5432/toko", "/var/lib/toko/toko.db"),
     ),
     Variable(
@@ -294,6 +294,21 @@ VARIABLES: tuple[Variable, ...] = (
         ("toko-backup",),
         int_between(1, 10000),
         default="7",
+    ),
+    Variable(
+        "TOKO_TEXTFILE_DIR",
+        "textfile.dir",
+        "node_exporter's textfile folder, where `toko-recap` and `toko-backup` report",
+        ("toko-recap", "toko-backup"),
+        default="/var/lib/prometheus/node-exporter",
+        doc="the folder node_exporter's textfile collector reads: after each run `toko-recap` "
+        "and `toko-backup` replace `toko-recap.prom` and `toko-backup.prom` there (last run, "
+        "last success, duration, exit status and their own figures). A folder that does not "
+        "exist is no error (a host without node_exporter); one they cannot write gets a "
+        "warning; neither changes how the job ends",
+        note="The folder Debian's prometheus-node-exporter reads. Only root may write there: "
+        "to let toko-recap and toko-backup (user toko) write their .prom files,\n"
+        "  dpkg-statoverride --update --add root toko 1775 /var/lib/prometheus/node-exporter",
     ),
     Variable(
         "TOKO_API_TOKEN_FILE",

@@ -10,6 +10,7 @@ from service.mail_message import Email
 from service.models import Job, NewJob, PartlyDone, Product, job_fields
 
 PRODUCT_EMAIL = "product_email"
+PRICE_EMAIL = "price_email"
 RECAP_EMAIL = "recap_email"
 ALERT_EMAIL = "alert_email"
 
@@ -29,6 +30,30 @@ def product_email_job(
 ) -> NewJob:
     payload = {"product_id": product.id, "nama": product.nama, "harga": product.harga}
     return NewJob(PRODUCT_EMAIL, payload, max_attempts, leased_for)
+
+
+def price_email_job(
+    before: Product, after: Product, max_attempts: int, leased_for: float | None = None
+) -> NewJob | None:
+    """The admin's email about a change of price; None when harga stays.
+
+    A rename alone sends none: the shop's price list is what the admin
+    watches, and a typo fixed is no news. The payload holds the product as
+    the change left it, so the email says what was changed, whatever
+    happens to the product afterwards (a second change, a delete).
+    """
+    if before.harga == after.harga:
+        return None
+    payload = {
+        "product_id": after.id,
+        "version": after.version,
+        "nama": after.nama,
+        "harga_lama": before.harga,
+        "harga": after.harga,
+    }
+    if before.nama != after.nama:
+        payload["nama_lama"] = before.nama
+    return NewJob(PRICE_EMAIL, payload, max_attempts, leased_for)
 
 
 def recap_email_job(period: str, total: int, new: int, max_attempts: int) -> NewJob:
@@ -80,6 +105,20 @@ async def send_product_email(job: Job, ctx: JobContext) -> None:
         f"Harga: {_rupiah(p['harga'])}\n"
     )
     await _email_admins(job, ctx, f"Produk baru: {p['nama']}", body)
+
+
+async def send_price_email(job: Job, ctx: JobContext) -> None:
+    p = job.payload
+    renamed = f"Nama lama:  {p['nama_lama']}\n" if "nama_lama" in p else ""
+    body = (
+        f"Harga produk berubah.\n\n"
+        f"ID:         {p['product_id']}\n"
+        f"Nama:       {p['nama']}\n"
+        f"{renamed}"
+        f"Harga lama: {_rupiah(p['harga_lama'])}\n"
+        f"Harga baru: {_rupiah(p['harga'])}\n"
+    )
+    await _email_admins(job, ctx, f"Harga berubah: {p['nama']}", body)
 
 
 async def send_recap_email(job: Job, ctx: JobContext) -> None:
@@ -136,6 +175,7 @@ async def _email_admins(job: Job, ctx: JobContext, subject: str, body: str) -> N
 
 HANDLERS: dict[str, Handler] = {
     PRODUCT_EMAIL: send_product_email,
+    PRICE_EMAIL: send_price_email,
     RECAP_EMAIL: send_recap_email,
     ALERT_EMAIL: send_alert_email,
 }

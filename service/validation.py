@@ -138,6 +138,19 @@ def validate_new_product(data: Mapping[str, Any]) -> tuple[str, int]:
     return _nama(data), _harga(data)
 
 
+def validate_product_change(data: Mapping[str, Any]) -> tuple[str | None, int | None]:
+    """(nama, harga) of a PATCH body, None for a field it leaves as it is;
+    each field given is held to the rules of a new product's."""
+    unknown = sorted(set(data) - PRODUCT_FIELDS)
+    if unknown:
+        raise InvalidInput(f"unknown field(s): {', '.join(unknown)}; allowed: harga, nama")
+    if not data:
+        raise InvalidInput("body changes nothing; send nama, harga or both")
+    nama = _nama(data) if "nama" in data else None
+    harga = _harga(data) if "harga" in data else None
+    return nama, harga
+
+
 def _nama(data: Mapping[str, Any]) -> str:
     if "nama" not in data:
         raise InvalidInput("field 'nama' is required")
@@ -183,6 +196,45 @@ def idempotency_key(values: Sequence[str]) -> str | None:
     if not _IDEMPOTENCY_KEY.fullmatch(value):
         raise InvalidInput("Idempotency-Key must be 1 to 255 printable ASCII characters")
     return value
+
+
+# If-Match (RFC 9110, 13.1.1): "*", or a list of entity tags, each W/ (weak)
+# or not and quoted, of visible ASCII but the double quote; as a list, empty
+# elements and spaces or tabs around commas are allowed. Only ASCII: obs-text
+# (bytes 0x80-0xFF) is refused too, as the OpenAPI document's pattern (this
+# one, word for word) says. Several If-Match lines count as one list.
+IF_MATCH_PATTERN = (
+    r'^(?:[ \t]*\*[ \t]*|[ \t,]*(?:W/)?"[!#-~]*"(?:[ \t]*,[ \t,]*(?:W/)?"[!#-~]*")*[ \t,]*)$'
+)
+_IF_MATCH = re.compile(IF_MATCH_PATTERN)
+_ENTITY_TAG = re.compile(r'(W/)?"([!#-~]*)"')
+# The versions an ETag of ours names: "1", "2", ... with no leading zero.
+_VERSION_TAG = re.compile(r"[1-9][0-9]{0,18}")
+
+
+def if_match_versions(values: Sequence[str]) -> frozenset[int] | None:
+    """The product versions the If-Match header lines ``values`` accept; None for ``*``.
+
+    Strong comparison (RFC 9110, 13.1.1): a weak tag matches nothing, and a
+    tag of another form (``"v3"``, ``"03"``) names no version of ours, so it
+    matches nothing either: such a header is well-formed, and a write with it
+    fails its precondition (412), not the request's syntax (400). Raises
+    InvalidInput for a header that is not If-Match syntax. ``values`` must
+    not be empty: a request without If-Match is the caller's to answer (428).
+    """
+    value = ", ".join(values)
+    if not _IF_MATCH.fullmatch(value):  # not match(): $ would let a final newline in
+        raise InvalidInput(
+            'If-Match must be the ETag of the product as you read it, quoted (If-Match: "3"),'
+            " or a comma-separated list of them"
+        )
+    if value.strip(" \t") == "*":
+        return None
+    versions = set()
+    for weak, tag in _ENTITY_TAG.findall(value):
+        if not weak and _VERSION_TAG.fullmatch(tag) and int(tag) <= ID_MAX:
+            versions.add(int(tag))
+    return frozenset(versions)
 
 
 def page_params(query: MultiMapping[str]) -> tuple[int, int]:

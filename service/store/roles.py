@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from service.models import Job, JobState, NewJob, Product, QueueCounts
+from service.models import Job, JobState, NewJob, Product, ProductWriteOutcome, QueueCounts
 from service.store.admin import JobDetails, QueueStats, Retryable
 
 
@@ -64,12 +64,47 @@ class ProductStore(Protocol):
 
         A product already stored with ``idempotency_key`` is returned instead,
         with None for the job id: nothing is written (it may differ from
-        ``nama``/``harga``; the caller decides what that means).
+        ``nama``/``harga``; the caller decides what that means). It is
+        returned as it was created (version 1, its first nama and harga),
+        whatever was changed since, and even once deleted: a retried request
+        gets the answer the first one got, and never makes a second product.
         """
 
-    async def get_product(self, product_id: int) -> Product | None: ...
+    async def get_product(self, product_id: int) -> Product | None:
+        """The product as it is now; None if there is none or it was deleted."""
 
-    async def list_products(self, after_id: int, limit: int) -> list[Product]: ...
+    async def list_products(self, after_id: int, limit: int) -> list[Product]:
+        """Products not deleted with an id above ``after_id``, in id order."""
+
+    async def update_product(
+        self,
+        product_id: int,
+        nama: str | None,
+        harga: int | None,
+        versions: Collection[int] | None,
+        make_job: Callable[[Product, Product], NewJob | None],
+    ) -> ProductWriteOutcome:
+        """Set ``nama`` and/or ``harga`` (None: leave it), if the product is at
+        one of ``versions`` (None: at whatever version it is: If-Match: *).
+
+        One durable transaction: the new values, the next version, and the job
+        ``make_job(before, after)`` returns (None: no job); a ``make_job``
+        that raises writes nothing. Values that change nothing write nothing
+        either (the version stays). Among writes racing with one version,
+        exactly one goes through; the others get VersionMismatch. None: no
+        such product, or it was deleted (whatever ``versions`` says).
+        """
+
+    async def delete_product(
+        self, product_id: int, versions: Collection[int] | None
+    ) -> ProductWriteOutcome:
+        """Mark the product deleted at its next version, if it is at one of
+        ``versions`` (None: any), in one durable transaction.
+
+        Its row stays (recaps count it; jobs enqueued for it run with their
+        own payload), but get and list no longer return it. None, VersionMismatch:
+        as for update_product.
+        """
 
 
 class JobQueue(Protocol):
@@ -131,7 +166,9 @@ class JobQueue(Protocol):
         so a held lease that looks expired must not make the claimer spin.
         """
 
-    async def counts(self) -> QueueCounts: ...
+    async def counts(self) -> QueueCounts:
+        """Jobs by state, and how long the oldest due job has waited unclaimed
+        (by this store's clock): one query, read at every scrape and health check."""
 
     def add_wakeup_listener(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` when another process enqueues a job (LISTEN/NOTIFY).

@@ -7,6 +7,7 @@ every case: no product row exists in the SQLite file and /healthz is 200.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import zlib
@@ -230,7 +231,17 @@ CASES = [
     ),
     # Routing.
     Case("put-collection", 405, _body({"nama": "Kopi", "harga": 1}), method="PUT"),
-    Case("delete-item", 405, None, method="DELETE", path="/produk/1"),
+    Case("put-item", 405, _body({"nama": "Kopi", "harga": 1}), method="PUT", path="/produk/1"),
+    # Whether or not the product exists: a change must be conditional.
+    Case(
+        "delete-item-without-if-match",
+        428,
+        None,
+        method="DELETE",
+        path="/produk/1",
+        headers={},
+        says="needs If-Match",
+    ),
     Case("post-item", 405, _body({"nama": "Kopi", "harga": 1}), path="/produk/1"),
     Case("unknown-path", 404, None, method="GET", path="/barang"),
     Case("non-numeric-id", 404, None, method="GET", path="/produk/abc"),
@@ -348,15 +359,193 @@ CASES = [
 ]
 
 
+# PATCH and DELETE /produk/{id}, against a service of their own holding product 1
+# ("Kopi", 1000, at version 1) and product 2, deleted (at version 2). Unless a
+# case says otherwise: a PATCH of product 1 with If-Match "1" and a good body.
+LIVE, GONE = "/produk/1", "/produk/2"
+IF_1 = {**JSON, "If-Match": '"1"'}
+CHANGE = _body({"harga": 2000})
+
+
+def _edit(
+    id: str,
+    status: int,
+    body: bytes | None = CHANGE,
+    *,
+    method: str = "PATCH",
+    path: str = LIVE,
+    headers: dict[str, str] | None = None,
+    if_match: str | None = '"1"',
+    says: str = "",
+    chunked: bool = False,
+) -> Case:
+    sent = dict(JSON if headers is None else headers)
+    if if_match is not None:
+        sent["If-Match"] = if_match
+    return Case(id, status, body, method, path, sent, chunked=chunked, says=says)
+
+
+EDIT_CASES = [
+    # If-Match: missing, not the header's syntax, or not the version the product is at.
+    _edit("patch-without-if-match", 428, if_match=None, says="PATCH needs If-Match"),
+    _edit("delete-without-if-match", 428, None, method="DELETE", if_match=None),
+    _edit("if-match-unquoted", 400, if_match="1", says="If-Match must be the ETag"),
+    _edit("if-match-empty", 400, if_match=""),
+    _edit("if-match-only-commas", 400, if_match=" , ,"),
+    _edit("if-match-unterminated", 400, if_match='"1'),
+    _edit("if-match-star-and-a-tag", 400, if_match='*, "1"'),
+    _edit("if-match-lower-case-weak", 400, if_match='w/"1"'),
+    _edit("if-match-tags-without-comma", 400, if_match='"1" "2"'),
+    _edit("if-match-non-ascii", 400, if_match='"caf\u00e9"'),
+    _edit("delete-if-match-unquoted", 400, None, method="DELETE", if_match="1"),
+    _edit("if-match-stale", 412, if_match='"2"', says='it is at version 1 now (ETag "1")'),
+    _edit("if-match-stale-list", 412, if_match='"2", "3",, "4"', says="version 1"),
+    # Strong comparison: a weak tag never matches, nor a tag of another form.
+    _edit("if-match-weak", 412, if_match='W/"1"', says="version 1"),
+    _edit("if-match-other-form", 412, if_match='"v1"'),
+    _edit("if-match-leading-zero", 412, if_match='"01"'),
+    _edit("if-match-past-64-bits", 412, if_match=f'"{2**64 + 1}"'),
+    _edit("if-match-8000-chars", 412, if_match='"' + "x" * 8000 + '"', says="version 1"),
+    _edit("delete-if-match-stale", 412, None, method="DELETE", if_match='"9"'),
+    # The body: the rules of a new product's, for the fields it has.
+    _edit("empty-object", 400, b"{}", says="body changes nothing"),
+    _edit("unknown-field", 400, _body({"harga": 1, "stok": 3}), says="unknown field(s): stok"),
+    _edit("id-field", 400, _body({"id": 2, "harga": 1})),
+    _edit("version-field", 400, _body({"version": 2, "harga": 1})),
+    _edit("nama-empty", 400, _body({"nama": " "}), says="field 'nama' must not be empty"),
+    _edit("nama-null", 400, _body({"nama": None})),
+    _edit("nama-201-chars", 400, _body({"nama": "x" * 201})),
+    _edit("nama-line-separator", 400, b'{"nama": "Kopi\\u2028Susu"}'),
+    _edit("harga-null", 400, _body({"harga": None})),
+    _edit("harga-negative", 400, _body({"harga": -1})),
+    _edit("harga-true", 400, _body({"harga": True})),
+    _edit("harga-integral-float", 400, b'{"harga": 100.0}'),
+    _edit("harga-too-big", 400, _body({"harga": 10**12 + 1})),
+    _edit("harga-5000-digits", 400, b'{"harga": ' + b"9" * 5000 + b"}"),
+    _edit("harga-twice", 400, b'{"harga": 1, "harga": 2}', says="given twice"),
+    _edit("truncated-json", 400, b'{"harga": 1'),
+    _edit("empty-body", 400, b""),
+    _edit("no-body", 400, None),
+    _edit("array-body", 400, _body([{"harga": 1}])),
+    _edit("invalid-utf8", 400, b'{"nama": "Kop\xff"}'),
+    # Content-Type, Content-Encoding and size: as on POST.
+    _edit("text-plain", 415, headers={"Content-Type": "text/plain"}),
+    _edit("no-content-type", 415, headers={}, says="none was sent"),
+    _edit("content-encoding-unknown", 415, headers={**JSON, "Content-Encoding": "compress"}),
+    _edit(
+        "gzip-without-trailer",
+        400,
+        gzip.compress(CHANGE)[:-8],
+        headers={**JSON, "Content-Encoding": "gzip"},
+        says="the gzip body is incomplete",
+    ),
+    _edit("over-64k", 413, _body({"nama": "x" * LIMIT})),
+    _edit("over-64k-chunked", 413, _body({"nama": "x" * LIMIT}), chunked=True),
+    _edit(
+        "over-64k-decoded",
+        413,
+        gzip.compress(_body({"nama": "x" * LIMIT})),
+        headers={**JSON, "Content-Encoding": "gzip"},
+    ),
+    _edit("expect-unknown", 417, headers={**JSON, "Expect": "foo"}),
+    # A deleted product is gone, whatever If-Match says (RFC 9110, 13.2.1).
+    _edit("patch-deleted-id", 404, path=GONE, if_match='"2"', says="no product with id 2"),
+    _edit("patch-deleted-id-any-version", 404, path=GONE, if_match="*"),
+    _edit("delete-deleted-id", 404, None, method="DELETE", path=GONE, if_match='"2"'),
+    _edit("delete-deleted-id-stale", 404, None, method="DELETE", path=GONE, if_match='"1"'),
+    _edit("patch-missing-id", 404, path="/produk/999999", says="no product with id 999999"),
+    _edit("delete-missing-id", 404, None, method="DELETE", path="/produk/999999"),
+    # Ids past 64 bits: no such row can exist, so not even If-Match is asked for.
+    _edit("patch-id-past-64-bits", 404, path=f"/produk/{2**63}", if_match=None),
+    _edit(
+        "delete-5000-digit-id",
+        404,
+        None,
+        method="DELETE",
+        path=f"/produk/{DIGITS}",
+        says="no product with id 1111",
+    ),
+    _edit("patch-negative-id", 404, path="/produk/-1"),
+    _edit("patch-non-numeric-id", 404, path="/produk/abc"),
+    # Methods the routes do not have.
+    _edit("patch-collection", 405, path="/produk"),
+    _edit("delete-collection", 405, None, method="DELETE", path="/produk"),
+]
+
+
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     with ready_service(tmp_path_factory.mktemp("bad-input")) as svc:
         yield svc
 
 
+@pytest.fixture(scope="module")
+def edit_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    with ready_service(tmp_path_factory.mktemp("bad-edits")) as svc:
+        for nama in ("Kopi", "Teh"):
+            made = _call(svc, "POST", "/produk", _body({"nama": nama, "harga": 1000}), JSON)
+            assert made.status == 201, made
+        gone = _call(svc, "DELETE", GONE, None, {"If-Match": '"1"'})
+        assert gone.status == 204, gone
+        yield svc
+
+
+def _call(
+    svc: ServiceProcess, method: str, path: str, body: bytes | None, headers: dict[str, str]
+) -> http.RawResponse:
+    return asyncio.run(http.request(svc.port, method, path, body=body, headers=headers))
+
+
+def _products_and_jobs(svc: ServiceProcess) -> list[list[dict[str, Any]]]:
+    return [
+        db.query(svc.database, "SELECT * FROM products ORDER BY id"),
+        db.query(svc.database, "SELECT id, kind, payload FROM jobs ORDER BY id"),
+    ]
+
+
 def test_table_is_big_enough() -> None:
     assert len(CASES) >= 20
     assert len({c.id for c in CASES}) == len(CASES)
+    assert len({c.id for c in EDIT_CASES}) == len(EDIT_CASES) >= 40
+
+
+@pytest.mark.parametrize("case", EDIT_CASES, ids=[c.id for c in EDIT_CASES])
+async def test_bad_change_or_delete(edit_api: ServiceProcess, case: Case) -> None:
+    before = _products_and_jobs(edit_api)
+    assert [(p["nama"], p["version"], p["deleted_at"] is None) for p in before[0]] == [
+        ("Kopi", 1, True),
+        ("Teh", 2, False),
+    ]
+    resp = await http.request(
+        edit_api.port,
+        case.method,
+        case.path,
+        body=case.body,
+        headers=[*case.headers.items(), *case.repeated],
+        chunked=case.chunked,
+    )
+    assert resp.status == case.status, resp
+    assert resp.headers.get("content-type", "").startswith("application/json"), resp
+    payload = resp.json()
+    assert isinstance(payload, dict) and set(payload) == {"error"}, payload
+    assert isinstance(payload["error"], str) and payload["error"].strip(), payload
+    assert case.says in payload["error"], payload
+    assert len(payload["error"]) <= MESSAGE_MAX, payload
+    assert "etag" not in resp.headers, resp  # only answers that carry the product have one
+    # Nothing written: no field, no version, no deleted mark, no job.
+    assert _products_and_jobs(edit_api) == before
+    health = await http.request(edit_api.port, "GET", "/healthz", headers={})
+    assert health.status == 200, health
+    assert edit_api.returncode is None
+
+
+async def test_after_the_bad_edits_a_good_one_goes_through(edit_api: ServiceProcess) -> None:
+    ok = await http.request(edit_api.port, "PATCH", LIVE, body=CHANGE, headers=IF_1)
+    assert ok.status == 200, ok
+    assert ok.headers["etag"] == '"2"'
+    assert ok.json()["harga"] == 2000
+    server_errors = [r for r in edit_api.logs.snapshot() if r.get("level") in ("ERROR", "CRITICAL")]
+    assert server_errors == [], server_errors
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

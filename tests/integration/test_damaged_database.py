@@ -19,7 +19,7 @@ from tests.support.scrape import scrape
 STORE_DOWN = {"error": "storage is unavailable; try again shortly"}
 DAMAGED = (
     "storage cannot write: the database file is damaged: database disk image is malformed"
-    " (README: A damaged database)"
+    " (see /usr/share/doc/toko/docs/how-to/damaged-database.md)"
 )
 
 

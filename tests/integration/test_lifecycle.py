@@ -87,7 +87,7 @@ async def test_an_unknown_setting_is_one_warning_at_start(service_factory: Servi
     assert warning["level"] == "WARNING", warning
     assert warning["message"] == (
         "unknown settings ignored: 'TOKO_SMTP_ULR' (meant TOKO_SMTP_URL?), "
-        "'TOKO_WORKER' (meant TOKO_WORKERS?) (README: Configuration lists the known ones)"
+        "'TOKO_WORKER' (meant TOKO_WORKERS?) (man toko.env lists the known ones)"
     )
 
 

@@ -11,12 +11,21 @@ import sqlite3
 import traceback
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from service.mail import LogMailer
-from service.models import Job, JobState, NewJob, Product, stored_job
+from service.models import (
+    Job,
+    JobState,
+    NewJob,
+    Product,
+    ProductWritten,
+    VersionMismatch,
+    stored_job,
+)
 from service.store.admin import RETRYABLE_WHERE, Retryable
 from service.store.base import ABANDONED_ERROR, StoreError
 from service.store.postgres import PostgresStore
@@ -25,9 +34,9 @@ from service.store.roles import QueueAdmin, Store
 from service.store.sqlite import SqliteStore, connect
 from service.store.sqlite.admin import PURGE_DONE_SQL, list_jobs_sql, retry_by_id_sql
 from service.store.sqlite.migrations import LATEST_VERSION, migrate
-from service.store.sqlite.products import create_products
+from service.store.sqlite.products import ProductEdit, create_products, edit_products
 from service.store.sqlite.writer import GroupCommitWriter
-from service.tasks import HANDLERS, JobContext, product_email_job
+from service.tasks import HANDLERS, JobContext, price_email_job, product_email_job
 from tests.support.backends import Backend, FakeClock
 
 
@@ -894,3 +903,273 @@ def test_concurrent_first_opens_migrate_once(tmp_path: Path) -> None:
         with ThreadPoolExecutor(6) as pool:
             befores = list(pool.map(open_and_migrate, range(6)))
         assert sorted(befores) == [0] + [LATEST_VERSION] * 5, "one opener created the schema"
+
+
+# changes and deletes (PATCH, DELETE /produk/{id}) --------------------------------------
+
+
+def price_job(before: Product, after: Product) -> NewJob | None:
+    return price_email_job(before, after, max_attempts=3)
+
+
+async def test_a_change_moves_the_version_and_commits_with_its_price_email(
+    store: Store, backend: Backend, clock: FakeClock
+) -> None:
+    product, _ = await store.create_product("Kopi", 1000, email_job)
+    assert product.version == 1 and product.etag == '"1"'
+    clock.now += 60
+    outcome = await store.update_product(product.id, None, 1500, {1}, price_job)
+    assert isinstance(outcome, ProductWritten)
+    assert outcome.before == product
+    assert outcome.after == replace(product, harga=1500, version=2)
+    assert outcome.fields == ("harga",) and outcome.at == clock.now
+    assert outcome.job_id is not None
+    assert await store.get_product(product.id) == outcome.after
+    # Visible to another connection: committed, the job with it.
+    assert await backend.rows("SELECT nama, harga, version FROM products") == [("Kopi", 1500, 2)]
+    job = await store.get_job(outcome.job_id)
+    assert job is not None and (job.kind, job.state, job.created_at) == (
+        "price_email",
+        "pending",
+        clock.now,
+    )
+    assert job.payload == {
+        "product_id": product.id,
+        "version": 2,
+        "nama": "Kopi",
+        "harga_lama": 1000,
+        "harga": 1500,
+    }
+
+
+async def test_a_rename_alone_queues_no_email(store: Store, backend: Backend) -> None:
+    product, _ = await store.create_product("Kopi", 1000, email_job)
+    outcome = await store.update_product(product.id, "Kopi Susu", None, {1}, price_job)
+    assert isinstance(outcome, ProductWritten) and outcome.job_id is None
+    assert outcome.fields == ("nama",) and outcome.after.version == 2
+    assert await backend.rows("SELECT count(*) FROM jobs") == [(1,)]  # the product's own
+
+
+async def test_a_change_of_both_fields_names_the_old_name_in_its_email(store: Store) -> None:
+    product, _ = await store.create_product("Kopi", 1000, email_job)
+    outcome = await store.update_product(product.id, "Teh", 900, None, price_job)
+    assert isinstance(outcome, ProductWritten) and outcome.job_id is not None
+    assert outcome.fields == ("nama", "harga")
+    job = await store.get_job(outcome.job_id)
+    assert job is not None and job.payload["nama"] == "Teh" and job.payload["nama_lama"] == "Kopi"
+
+
+async def test_values_it_has_already_write_nothing(store: Store, backend: Backend) -> None:
+    product, _ = await store.create_product("Kopi", 1000, email_job)
+    outcome = await store.update_product(product.id, "Kopi", 1000, {1}, price_job)
+    assert isinstance(outcome, ProductWritten)
+    assert (outcome.before, outcome.after, outcome.fields, outcome.job_id) == (
+        product,
+        product,
+        (),
+        None,
+    )
+    assert await backend.rows("SELECT version FROM products") == [(1,)]
+    assert await backend.rows("SELECT count(*) FROM jobs") == [(1,)]
+
+
+async def test_a_version_the_product_is_not_at_changes_nothing(
+    store: Store, backend: Backend
+) -> None:
+    product, _ = await store.create_product("Kopi", 1000, email_job)
+    for versions in ({2}, {0, 7}, set()):
+        assert await store.update_product(product.id, None, 5, versions, price_job) == (
+            VersionMismatch(product)
+        )
+        assert await store.delete_product(product.id, versions) == VersionMismatch(product)
+    assert await store.get_product(product.id) == product
+    assert await backend.rows("SELECT harga, version, deleted_at FROM products") == [
+        (1000, 1, None)
+    ]
+    assert await backend.rows("SELECT count(*) FROM jobs") == [(1,)]
+    # Any of several versions will do; None (If-Match: *) takes whatever it is at.
+    changed = await store.update_product(product.id, None, 5, {7, 1}, price_job)
+    assert isinstance(changed, ProductWritten) and changed.after.version == 2
+    changed = await store.update_product(product.id, None, 6, None, price_job)
+    assert isinstance(changed, ProductWritten) and changed.after.version == 3
+
+
+async def test_no_such_product_is_none(store: Store) -> None:
+    assert await store.update_product(404, "x", None, None, price_job) is None
+    assert await store.delete_product(404, None) is None
+    assert await store.delete_product(404, {1}) is None
+
+
+async def test_a_deleted_product_is_gone_from_the_api_but_its_row_stays(
+    store: Store, backend: Backend, clock: FakeClock
+) -> None:
+    kopi, _ = await store.create_product("Kopi", 1000, email_job)
+    teh, _ = await store.create_product("Teh", 500, email_job)
+    susu, _ = await store.create_product("Susu", 700, email_job)
+    clock.now += 60
+    outcome = await store.delete_product(teh.id, {1})
+    assert outcome == ProductWritten(teh, replace(teh, version=2), clock.now)
+    assert await store.get_product(teh.id) is None
+    assert await store.list_products(0, 10) == [kopi, susu]
+    assert await store.list_products(kopi.id, 1) == [susu]
+    assert await backend.rows(
+        f"SELECT nama, harga, version, deleted_at FROM products WHERE id = {teh.id}"
+    ) == [("Teh", 500, 2, clock.now)]
+    # Gone: whatever version a client names, even the one the delete gave it.
+    assert await store.update_product(teh.id, "Teh Baru", None, {2}, price_job) is None
+    assert await store.update_product(teh.id, "Teh Baru", None, None, price_job) is None
+    assert await store.delete_product(teh.id, None) is None
+    assert await backend.rows(f"SELECT version FROM products WHERE id = {teh.id}") == [(2,)]
+
+
+async def test_recaps_of_past_days_stay_as_they_were_after_changes_and_deletes(
+    store: Store, clock: FakeClock
+) -> None:
+    day = (clock.now, clock.now + 86400)
+    made = [(await store.create_product(f"p{i}", i, email_job))[0] for i in range(3)]
+    before = await store.product_counts(*day)
+    assert before == (3, 3)
+    clock.now += 2 * 86400  # two days on: that day is long over
+    await store.update_product(made[0].id, "p0 baru", 99, None, price_job)
+    await store.delete_product(made[1].id, None)
+    assert await store.product_counts(*day) == before
+    # The day of the changes: nothing new, and the total counts every product made.
+    assert await store.product_counts(clock.now - 1, clock.now + 1) == (3, 0)
+
+
+async def test_a_pending_email_of_a_deleted_product_runs_with_what_it_was_queued_with(
+    store: Store,
+) -> None:
+    product, job_id = await store.create_product("Kopi", 1000, email_job)
+    changed = await store.update_product(product.id, "Teh", 2000, None, price_job)
+    assert isinstance(changed, ProductWritten) and changed.job_id is not None
+    await store.delete_product(product.id, None)
+    claimed = {job.id: job for job in await store.claim(10, 60)}
+    assert set(claimed) == {job_id, changed.job_id}
+    assert claimed[job_id].payload == {"product_id": product.id, "nama": "Kopi", "harga": 1000}
+    assert claimed[changed.job_id].payload["harga_lama"] == 1000
+    context = JobContext(LogMailer(), "toko@toko.test", ("bos@toko.test",))
+    for job in claimed.values():
+        await HANDLERS[job.kind](job, context)  # nothing reads the product again
+    await store.complete(list(claimed.values()))
+    assert (await store.counts()).done == 2
+
+
+async def test_writes_racing_with_one_version_let_exactly_one_through(
+    store: Store, backend: Backend
+) -> None:
+    product, _ = await store.create_product("Kopi", 1000, email_job)
+    for version in (1, 2, 3):
+        outcomes = await asyncio.gather(
+            *(
+                store.update_product(product.id, None, 100 * version + i, {version}, price_job)
+                for i in range(8)
+            )
+        )
+        won = [o for o in outcomes if isinstance(o, ProductWritten)]
+        lost = [o for o in outcomes if isinstance(o, VersionMismatch)]
+        assert len(won) == 1 and len(lost) == 7, outcomes
+        assert all(o.current == won[0].after for o in lost)
+        assert await backend.rows("SELECT version FROM products") == [(version + 1,)]
+    assert await backend.rows("SELECT count(*) FROM jobs WHERE kind = 'price_email'") == [(3,)]
+    # A change and a delete racing: one of them.
+    outcomes = await asyncio.gather(
+        store.update_product(product.id, "Teh", None, {4}, price_job),
+        store.delete_product(product.id, {4}),
+        store.delete_product(product.id, {4}),
+    )
+    assert sum(isinstance(o, ProductWritten) for o in outcomes) == 1, outcomes
+    assert await backend.rows("SELECT version FROM products") == [(5,)]
+
+
+async def test_a_failing_job_build_rolls_back_the_change_alone(
+    store: Store, backend: Backend
+) -> None:
+    kopi, _ = await store.create_product("Kopi", 1000, email_job)
+    teh, _ = await store.create_product("Teh", 500, email_job)
+
+    def broken(before: Product, after: Product) -> NewJob | None:
+        raise ValueError("no job for you")
+
+    results = await asyncio.gather(
+        store.update_product(kopi.id, "Kopi Baru", 1100, {1}, broken),
+        store.update_product(teh.id, None, 600, {1}, price_job),
+        store.delete_product(kopi.id, {2}),  # the version the broken change never made
+        return_exceptions=True,
+    )
+    assert isinstance(results[0], ValueError)
+    assert isinstance(results[1], ProductWritten)
+    assert results[2] == VersionMismatch(kopi)
+    assert await backend.rows("SELECT nama, harga, version FROM products ORDER BY id") == [
+        ("Kopi", 1000, 1),
+        ("Teh", 600, 2),
+    ]
+    assert await backend.rows("SELECT count(*) FROM jobs WHERE kind = 'price_email'") == [(1,)]
+
+
+async def test_a_key_answers_with_the_product_as_created_after_changes_and_a_delete(
+    store: Store, backend: Backend
+) -> None:
+    first, _ = await store.create_product("Kopi", 1000, email_job, "order-1")
+    await store.update_product(first.id, "Teh", 2000, None, price_job)
+    await store.update_product(first.id, "Susu", 3000, None, price_job)
+    # A retried POST gets the first answer: the product as it was created.
+    assert await store.create_product("Kopi", 1000, email_job, "order-1") == (first, None)
+    await store.delete_product(first.id, None)
+    assert await store.create_product("Kopi", 1000, email_job, "order-1") == (first, None)
+    assert await backend.rows("SELECT count(*) FROM products") == [(1,)]
+
+
+def test_sqlite_batch_with_two_edits_of_one_version_lets_the_first_through(
+    tmp_path: Path,
+) -> None:
+    # The writer may or may not batch the gathers above; this batch has both.
+    conn = connect(str(tmp_path / "toko.db"))
+    migrate(conn)
+    conn.execute("BEGIN IMMEDIATE")
+    ((kopi, _),) = create_products(conn, [("Kopi", 1000, 1.0, email_job, None)])
+    edits = [
+        ProductEdit(kopi.id, frozenset({1}), 2.0, harga=1500, make_job=price_job),
+        ProductEdit(kopi.id, frozenset({1}), 2.0, delete=True),
+        ProductEdit(kopi.id, frozenset({2}), 2.0, delete=True),
+        ProductEdit(kopi.id, None, 2.0, nama="Teh", make_job=price_job),
+    ]
+    changed, stale, deleted, gone = edit_products(conn, edits)
+    conn.execute("COMMIT")
+    assert isinstance(changed, ProductWritten) and changed.after.version == 2
+    assert stale == VersionMismatch(changed.after)
+    assert isinstance(deleted, ProductWritten) and deleted.after.version == 3
+    assert gone is None
+    assert conn.execute("SELECT harga, version, deleted_at FROM products").fetchall() == [
+        (1500, 3, 2.0)
+    ]
+    conn.close()
+
+
+@pytest.mark.parametrize(
+    ("backend", "version"),
+    OLDER_SCHEMAS,
+    indirect=["backend"],
+    ids=[f"{name}-v{version}" for name, version in OLDER_SCHEMAS],
+)
+async def test_products_of_every_older_schema_can_be_changed_and_deleted(
+    backend: Backend, version: int, clock: FakeClock
+) -> None:
+    await backend.make_old_schema(version, *old_inserts())
+    store = await _start_as_toko_api(backend, clock)
+    try:
+        selesai = await store.get_product(1)
+        assert selesai == Product(1, "Selesai", 1001, NOW - 7200, version=1)
+        assert [p.id for p in await store.list_products(0, 10)] == [1, 2, 3, 4, 5]
+        changed = await store.update_product(1, "Selesai Baru", 2001, {1}, price_job)
+        assert isinstance(changed, ProductWritten) and changed.after.version == 2
+        assert changed.job_id == 6  # ids go on from the old rows'
+        assert await store.delete_product(2, {1}) == ProductWritten(
+            Product(2, "Tunda", 1002, NOW - 7200), Product(2, "Tunda", 1002, NOW - 7200, 2), NOW
+        )
+        assert [p.id for p in await store.list_products(0, 10)] == [1, 3, 4, 5]
+        # The pending email of the product deleted still has what it was made with.
+        job = await store.get_job(2)
+        assert job is not None and job.payload["nama"] == "Tunda"
+    finally:
+        await store.close()

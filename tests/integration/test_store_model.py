@@ -237,11 +237,12 @@ class Model:
         ]
         return min(times) if times else None
 
-    def counts(self) -> QueueCounts:
+    def counts(self, now: float) -> QueueCounts:
         figures = dict.fromkeys(JOB_STATES, 0)
         for job in self.jobs.values():
             figures[job.state] += 1
-        return QueueCounts(**figures)
+        due = [j.run_at for j in self.jobs.values() if j.state == "pending" and j.run_at <= now]
+        return QueueCounts(**figures, oldest_due_seconds=now - min(due) if due else 0.0)
 
     def by_kind(self) -> dict[str, dict[str, int]]:
         kinds: dict[str, dict[str, int]] = {}
@@ -499,9 +500,9 @@ class Walk:
         self.check("purged", got, self.model.purge_done(older_than))
 
     async def stats(self) -> None:
-        self.check("counts", await self.store.counts(), self.model.counts())
+        self.check("counts", await self.store.counts(), self.model.counts(self.now))
         stats = await self.admin.queue_stats()
-        self.check("queue_stats counts", stats.counts, self.model.counts())
+        self.check("queue_stats counts", stats.counts, self.model.counts(self.now))
         self.check("queue_stats by_kind", stats.by_kind, self.model.by_kind())
         pending = [j.run_at for j in self.model.jobs.values() if j.state == "pending"]
         self.check("oldest pending", stats.oldest_pending_run_at, min(pending, default=None))

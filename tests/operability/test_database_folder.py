@@ -49,7 +49,7 @@ def expected_line(folder: Path) -> str:
     return (
         f"TOKO_DATABASE names a file in {folder}, which is read-only here: toko's units "
         f"may write only in /var/lib/toko unless a drop-in adds ReadWritePaths={folder} "
-        "(README: A database outside /var/lib/toko)"
+        "(see /usr/share/doc/toko/docs/how-to/database-elsewhere.md)"
     )
 
 

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client import CollectorRegistry, ProcessCollector
 
+from service import __version__
 from service.app import create_app
 from service.keys import METRICS
-from service.metrics import OUTCOMES, Metrics
+from service.metrics import OUTCOMES, Metrics, _ProcessCollector
+from service.models import QueueCounts
 from service.settings import Settings
 from service.tasks import HANDLERS
 from tests.conftest import ServiceFactory
@@ -40,13 +46,16 @@ async def test_metrics_move_as_jobs_run(service_factory: ServiceFactory, smtp: S
         assert before.value("toko_store_up") == 1
         assert before.value("toko_queue_jobs", state="done") == 0
         assert before.value("toko_jobs_enqueued_total", kind=KIND) == 0
+        assert before.samples[("toko_queue_oldest_due_age_seconds", frozenset())] == 0
+        assert before.value("toko_build_info", version=__version__) == 1
         # Exported at 0 before the first job, not first seen at 1: increase()
         # and rate() over a series that appears at 1 see no change.
         for kind in HANDLERS:
-            exported = {(name, kind) for name, labels in before.samples if ("kind", kind) in labels}
-            names = {f"toko_jobs_{outcome}_total" for outcome in OUTCOMES}
-            names |= {"toko_jobs_enqueued_total", "toko_job_duration_seconds_count"}
-            assert {(name, kind) for name in names} <= exported, before.samples
+            assert ("toko_jobs_enqueued_total", frozenset({("kind", kind)})) in before.samples
+            for outcome in OUTCOMES:
+                labels = frozenset({("kind", kind), ("outcome", outcome)})
+                for name in ("toko_job_attempts_total", "toko_job_duration_seconds_count"):
+                    assert before.samples.get((name, labels)) == 0, (name, labels)
 
         products = await create_products(
             session, svc.base_url, ["Kopi 1", "Kopi 2", "Kopi 3", "Ditolak 4"]
@@ -76,15 +85,21 @@ async def test_metrics_move_as_jobs_run(service_factory: ServiceFactory, smtp: S
     assert grew("toko_http_requests_total", route="unmatched", method="GET", status="404") == 1
     assert grew("toko_http_request_duration_seconds_count", route="/produk", method="POST") == 4
     assert grew("toko_jobs_enqueued_total", kind=KIND) == 4
-    assert grew("toko_jobs_succeeded_total", kind=KIND) == 3
-    assert grew("toko_jobs_retried_total", kind=KIND) == 1
-    assert grew("toko_jobs_failed_total", kind=KIND) == 1
+    assert grew("toko_job_attempts_total", kind=KIND, outcome="succeeded") == 3
+    assert grew("toko_job_attempts_total", kind=KIND, outcome="retried") == 1
+    assert grew("toko_job_attempts_total", kind=KIND, outcome="failed") == 1
     assert grew("toko_job_duration_seconds_count", kind=KIND, outcome="succeeded") == 3
     assert grew("toko_job_duration_seconds_count", kind=KIND, outcome="failed") == 1
     assert after.value("toko_job_duration_seconds_sum", kind=KIND, outcome="succeeded") > 0
     assert after.value("toko_queue_jobs", state="failed") == 1
     assert after.value("toko_queue_jobs", state="pending") == 0
     assert after.value("toko_workers_alive") == 2
+    assert after.value("toko_queue_oldest_due_age_seconds") == 0
+    # The process collector, of toko-api's own process.
+    assert after.value("process_resident_memory_bytes") > 10_000_000
+    assert after.value("process_open_fds") > 3
+    assert after.value("process_cpu_seconds_total") > 0
+    assert time.time() - 120 < after.value("process_start_time_seconds") <= time.time()
     routes = {dict(labels).get("route") for _, labels in after.samples}
     assert "/tidak-ada" not in routes
     # Only the series the README lists: no *_created beside each counter.
@@ -96,12 +111,62 @@ def test_each_app_has_its_own_registry() -> None:
     first, second = create_app(Settings()), create_app(Settings())
     first[METRICS].job_finished(KIND, "succeeded", 0.01)
     assert first[METRICS].registry is not second[METRICS].registry
-    assert (
-        first[METRICS].registry.get_sample_value("toko_jobs_succeeded_total", {"kind": KIND}) == 1
-    )
-    assert (
-        second[METRICS].registry.get_sample_value("toko_jobs_succeeded_total", {"kind": KIND}) == 0
-    )
+    labels = {"kind": KIND, "outcome": "succeeded"}
+    assert first[METRICS].registry.get_sample_value("toko_job_attempts_total", labels) == 1
+    assert second[METRICS].registry.get_sample_value("toko_job_attempts_total", labels) == 0
+
+
+async def test_the_oldest_due_job_ages_while_every_worker_is_busy(
+    service_factory: ServiceFactory, smtp: SmtpServer
+) -> None:
+    smtp.set_delay(2.0)  # one worker, each email 2 s: the others wait, due
+    svc = service_factory({"TOKO_SMTP_URL": smtp.url, "TOKO_WORKERS": "1"}).start()
+    await svc.async_wait_ready(timeout=20)
+    async with aiohttp.ClientSession() as session:
+        await create_products(session, svc.base_url, ["Kopi 1", "Kopi 2", "Kopi 3"])
+        waiting = await scrape_until(
+            session, svc.base_url, lambda m: m.value("toko_queue_oldest_due_age_seconds") >= 1.0
+        )
+        assert waiting.value("toko_queue_jobs", state="pending") >= 1
+        await smtp.async_wait_delivered(3, timeout=30)
+        await scrape_until(
+            session,
+            svc.base_url,
+            lambda m: (
+                m.value("toko_queue_jobs", state="done") == 3
+                and m.value("toko_queue_oldest_due_age_seconds") == 0
+            ),
+        )
+
+
+def test_the_queue_figures_are_absent_when_the_store_did_not_answer() -> None:
+    # Not the last figures: an alert on them would neither fire nor resolve.
+    metrics = Metrics()
+    metrics.set_queue(QueueCounts(pending=2, oldest_due_seconds=7.5))
+    assert metrics.registry.get_sample_value("toko_queue_oldest_due_age_seconds") == 7.5
+    metrics.set_queue(None)
+    assert metrics.registry.get_sample_value("toko_queue_oldest_due_age_seconds") is None
+    assert metrics.registry.get_sample_value("toko_queue_jobs", {"state": "pending"}) is None
+    assert metrics.registry.get_sample_value("toko_store_up") == 0
+    metrics.set_queue(QueueCounts())
+    assert metrics.registry.get_sample_value("toko_queue_oldest_due_age_seconds") == 0
+
+
+def test_process_metrics_without_proc_stat(tmp_path: Path) -> None:
+    # The units' ProcSubset=pid leaves /proc/<pid> and hides /proc/stat, where
+    # the stock collector reads the boot time: without it, it exports nothing.
+    (tmp_path / "self").symlink_to(f"/proc/{os.getpid()}")
+
+    def samples(collector: ProcessCollector) -> dict[str, float]:
+        registry = CollectorRegistry()
+        registry.register(collector)
+        return {s.name: s.value for family in registry.collect() for s in family.samples}
+
+    assert samples(ProcessCollector(proc=str(tmp_path), registry=None)) == {}
+    ours = samples(_ProcessCollector(proc=str(tmp_path), registry=None))
+    stock = samples(ProcessCollector(registry=None))  # the real /proc, /proc/stat there
+    assert set(ours) == set(stock) >= {"process_start_time_seconds", "process_open_fds"}
+    assert abs(ours["process_start_time_seconds"] - stock["process_start_time_seconds"]) < 1.5
 
 
 def histogram_quantile(q: float, metrics: Metrics, route: str, method: str) -> float:

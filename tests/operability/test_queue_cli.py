@@ -337,7 +337,8 @@ async def test_root_is_refused_on_the_service_users_database(
     else:
         hint = (
             f"run as the database's owner ({user}) with the service's settings, not as root:"
-            " through systemd-run, as the README's toko helper does (README: Every day)"
+            " through systemd-run, as the toko helper of"
+            " /usr/share/doc/toko/docs/how-to/run-commands.md does"
         )
     assert refused.stderr == f"{command[0]}: {hint}\n"
     assert sorted(os.listdir(tmp_path)) == before  # no -wal, no backups/
@@ -410,6 +411,6 @@ async def test_a_typo_in_the_env_file_is_warned_about_on_stderr(tmp_path: Path) 
     assert result.returncode == 0, result
     assert result.stderr.splitlines() == [
         "toko-queue: warning: unknown settings ignored: 'TOKO_WORKER' (meant TOKO_WORKERS?) "
-        "(README: Configuration lists the known ones)"
+        "(man toko.env lists the known ones)"
     ]
     assert result.json()["by_kind"] == {}

@@ -104,5 +104,5 @@ async def test_an_unknown_setting_is_warned_about(tmp_path: Path) -> None:
     warnings = [r for r in result.log_records() if r["level"] == "WARNING"]
     assert [r["message"] for r in warnings] == [
         "unknown settings ignored: 'TOKO_JOB_RETENTON' (meant TOKO_JOB_RETENTION?) "
-        "(README: Configuration lists the known ones)"
+        "(man toko.env lists the known ones)"
     ]

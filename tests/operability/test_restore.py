@@ -85,7 +85,8 @@ async def test_a_file_toko_api_could_not_start_on_is_refused_before_anything_is_
     tmp_path: Path,
 ) -> None:
     db = tmp_path / "toko.db"
-    make_sqlite_at(str(db), LATEST_VERSION, "INSERT INTO products VALUES (1, 'Kopi', 1, 0, NULL)")
+    row = "INSERT INTO products (id, nama, harga, created_at) VALUES (1, 'Kopi', 1, 0)"
+    make_sqlite_at(str(db), LATEST_VERSION, row)
     tools = {"TOKO_DATABASE": str(db), "TOKO_BACKUP_DIR": str(tmp_path / "b")}
     backed_up = await run("toko-backup", env=tools)
     assert backed_up.returncode == 0, backed_up.stderr

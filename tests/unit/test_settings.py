@@ -396,7 +396,7 @@ def test_unknown_toko_variables_are_named_with_the_one_meant() -> None:
     assert s.unknown_variables_line() == (
         "unknown settings ignored: 'TOKO_SMTP_ULR' (meant TOKO_SMTP_URL?), "
         "'TOKO_SOMETHING_ELSE', 'TOKO_WORKER' (meant TOKO_WORKERS?) "
-        "(README: Configuration lists the known ones)"
+        "(man toko.env lists the known ones)"
     )
     assert (
         Settings.from_env({"TOKO_WORKERS": "2", "HOME": "/root"}).unknown_variables_line() is None
@@ -422,6 +422,6 @@ def test_check_config_warns_of_unknown_settings_and_still_passes(
     out = capsys.readouterr()
     assert out.err == (
         "toko-api: warning: unknown settings ignored: 'TOKO_WORKER' (meant TOKO_WORKERS?) "
-        "(README: Configuration lists the known ones)\n"
+        "(man toko.env lists the known ones)\n"
     )
     assert out.out == "toko-api: configuration is valid\n"

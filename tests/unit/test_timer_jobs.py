@@ -412,7 +412,8 @@ async def test_a_damaged_database_fails_the_backup_naming_it_and_keeps_the_good_
     # check itself, "it is not a usable SQLite database: <SQLite's error>".
     assert str(failed.value).startswith(f"the database {db} is damaged: it ")
     assert str(failed.value).endswith(
-        ". No backup was written; the last good ones are kept (README: A damaged database)"
+        ". No backup was written; the last good ones are kept"
+        " (see /usr/share/doc/toko/docs/how-to/damaged-database.md)"
     )
     assert backup.list_backups(folder) == [good]
     assert sorted(os.listdir(folder)) == [".toko-backup.lock", good.name]

@@ -58,7 +58,10 @@ class PostgresAdmin(PostgresTransport):
         oldest = await self._fetchrow(
             "SELECT min(run_at) FROM jobs WHERE state = 'pending'", retry=True
         )
-        return QueueStats(QueueCounts(**figures), by_kind, oldest[0] if oldest else None)
+        oldest_run_at = oldest[0] if oldest else None
+        return QueueStats(
+            QueueCounts.of(figures, oldest_run_at, self._clock()), by_kind, oldest_run_at
+        )
 
     async def list_jobs(self, state: JobState, limit: int) -> list[JobDetails]:
         rows = await self._fetch(list_jobs_sql(state), limit, retry=True)

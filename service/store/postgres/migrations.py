@@ -102,6 +102,21 @@ MIGRATIONS: tuple[str, ...] = (
     """
     CREATE INDEX jobs_failed_updated_at ON jobs (updated_at, id) WHERE state = 'failed';
     """,
+    # 6: products can be changed and deleted (PATCH, DELETE /produk/{id}).
+    #    version: 1 when created, +1 a change; the ETag is made of it.
+    #    deleted_at: set by a delete, which keeps the row, so that recaps of
+    #    past days and the jobs enqueued for it stay as they were.
+    #    created_nama/created_harga: what the product was created with, kept
+    #    by its first change (NULL: unchanged since), so that a POST retried
+    #    with its Idempotency-Key still gets the first answer. A constant
+    #    default (PostgreSQL 11 on) rewrites no row; the CHECK reads them once.
+    """
+    ALTER TABLE products
+        ADD COLUMN version bigint NOT NULL DEFAULT 1 CHECK (version >= 1),
+        ADD COLUMN deleted_at double precision,
+        ADD COLUMN created_nama text,
+        ADD COLUMN created_harga bigint;
+    """,
 )
 
 LATEST_VERSION = len(MIGRATIONS)

@@ -1,14 +1,26 @@
-"""The PostgreSQL store's products: rows inserted with their jobs, one statement a batch."""
+"""The PostgreSQL store's products: rows inserted with their jobs, one statement
+a batch; changed or deleted one transaction each, the row locked."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from service.models import NewJob, Product
+import asyncpg  # type: ignore[import-untyped]  # no stubs shipped
+
+from service.models import (
+    NewJob,
+    Product,
+    ProductWriteOutcome,
+    ProductWritten,
+    VersionMismatch,
+)
 from service.store.postgres.transport import PostgresTransport
+
+PRODUCT_COLUMNS = "id, nama, harga, created_at, version"
 
 
 @dataclass
@@ -23,18 +35,95 @@ class ProductWrite:
 class PostgresProducts(PostgresTransport):
     async def get_product(self, product_id: int) -> Product | None:
         row = await self._fetchrow(
-            "SELECT id, nama, harga, created_at FROM products WHERE id = $1", product_id, retry=True
+            f"SELECT {PRODUCT_COLUMNS} FROM products WHERE id = $1 AND deleted_at IS NULL",
+            product_id,
+            retry=True,
         )
         return Product(*row) if row else None
 
     async def list_products(self, after_id: int, limit: int) -> list[Product]:
         rows = await self._fetch(
-            "SELECT id, nama, harga, created_at FROM products WHERE id > $1 ORDER BY id LIMIT $2",
+            f"SELECT {PRODUCT_COLUMNS} FROM products"
+            " WHERE id > $1 AND deleted_at IS NULL ORDER BY id LIMIT $2",
             after_id,
             limit,
             retry=True,
         )
         return [Product(*row) for row in rows]
+
+    async def update_product(
+        self,
+        product_id: int,
+        nama: str | None,
+        harga: int | None,
+        versions: Collection[int] | None,
+        make_job: Callable[[Product, Product], NewJob | None],
+    ) -> ProductWriteOutcome:
+        now = self._clock()
+
+        async def run(conn: asyncpg.Connection) -> ProductWriteOutcome:
+            async with _one_at_a_time(conn):
+                before = await _locked_product(conn, product_id)
+                if before is None:
+                    return None
+                if versions is not None and before.version not in versions:
+                    return VersionMismatch(before)
+                after = dataclasses.replace(
+                    before,
+                    nama=before.nama if nama is None else nama,
+                    harga=before.harga if harga is None else harga,
+                )
+                if after == before:  # nothing to change: nothing written, the version stays
+                    return ProductWritten(before, before, now)
+                after = dataclasses.replace(after, version=before.version + 1)
+                # Before any write; one that raises rolls the transaction back.
+                job = make_job(before, after)
+                await conn.execute(
+                    # The right-hand sides read the row as it was: the first
+                    # change keeps what the product was created with.
+                    "UPDATE products SET nama = $2, harga = $3, version = $4,"
+                    " created_nama = coalesce(created_nama, nama),"
+                    " created_harga = coalesce(created_harga, harga)"
+                    " WHERE id = $1",
+                    after.id,
+                    after.nama,
+                    after.harga,
+                    after.version,
+                )
+                job_id = None if job is None else await _insert_job(conn, job, now)
+                return ProductWritten(before, after, now, job_id)
+
+        # Not tried again on a lost connection: the commit may have happened.
+        return self._proven(await self._db(run, write=True))
+
+    async def delete_product(
+        self, product_id: int, versions: Collection[int] | None
+    ) -> ProductWriteOutcome:
+        now = self._clock()
+
+        async def run(conn: asyncpg.Connection) -> ProductWriteOutcome:
+            async with _one_at_a_time(conn):
+                before = await _locked_product(conn, product_id)
+                if before is None:
+                    return None
+                if versions is not None and before.version not in versions:
+                    return VersionMismatch(before)
+                after = dataclasses.replace(before, version=before.version + 1)
+                await conn.execute(
+                    "UPDATE products SET version = $2, deleted_at = $3 WHERE id = $1",
+                    after.id,
+                    after.version,
+                    now,
+                )
+                return ProductWritten(before, after, now)
+
+        return self._proven(await self._db(run, write=True))
+
+    def _proven(self, outcome: ProductWriteOutcome) -> ProductWriteOutcome:
+        # Only a commit that wrote something shows the database takes writes.
+        if isinstance(outcome, ProductWritten) and outcome.after != outcome.before:
+            self._write_health.proven()
+        return outcome
 
     async def _answer_known_keys(
         self, batch: list[ProductWrite]
@@ -46,8 +135,10 @@ class PostgresProducts(PostgresTransport):
         keys = [write.key for write in batch if write.key is not None]
         if not keys:
             return batch, []
+        # As created (version 1), changed or deleted since or not: the first answer.
         rows = await self._fetch(
-            "SELECT idempotency_key, id, nama, harga, created_at FROM products"
+            "SELECT idempotency_key, id, coalesce(created_nama, nama),"
+            " coalesce(created_harga, harga), created_at FROM products"
             " WHERE idempotency_key = ANY($1::text[])",
             keys,
             retry=True,
@@ -131,3 +222,41 @@ class PostgresProducts(PostgresTransport):
         for write, product, job_id, _, _ in rows:
             if not write.future.done():  # the caller may have gone (cancelled)
                 write.future.set_result((product, job_id))
+
+
+def _one_at_a_time(conn: asyncpg.Connection) -> asyncpg.transaction.Transaction:
+    """A transaction in which the row lock orders racing writes of one product.
+
+    Read committed whatever the database's default: the second of two writes
+    waits for the first's lock, then reads the row as the first left it (and
+    finds it at another version), where repeatable read or serializable would
+    fail it with a serialization error.
+    """
+    return conn.transaction(isolation="read_committed")
+
+
+async def _locked_product(conn: asyncpg.Connection, product_id: int) -> Product | None:
+    row = await conn.fetchrow(
+        f"SELECT {PRODUCT_COLUMNS} FROM products"
+        " WHERE id = $1 AND deleted_at IS NULL FOR NO KEY UPDATE",
+        product_id,
+    )
+    return Product(*row) if row else None
+
+
+async def _insert_job(conn: asyncpg.Connection, job: NewJob, now: float) -> int:
+    leased = job.leased_for is not None
+    job_id: int = await conn.fetchval(
+        "INSERT INTO jobs (kind, payload, max_attempts, run_at, created_at, updated_at,"
+        " state, attempts, lease_until)"
+        " VALUES ($1, $2::jsonb, $3, $4, $4, $4, $5, $6, $7) RETURNING id",
+        job.kind,
+        json.dumps(job.payload),
+        job.max_attempts,
+        now,
+        # leased_for: claimed by the enqueuing instance itself, as claim() would.
+        "running" if leased else "pending",
+        1 if leased else 0,
+        now + job.leased_for if job.leased_for is not None else None,
+    )
+    return job_id

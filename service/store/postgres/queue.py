@@ -187,11 +187,15 @@ class PostgresQueue(PostgresTransport):
 
     async def counts(self) -> QueueCounts:
         figures = dict.fromkeys(JOB_STATES, 0)
-        for state, count in await self._fetch(
-            "SELECT state, count(*) FROM jobs GROUP BY state", retry=True
+        oldest_pending = None
+        # min(run_at) in the same scan as the counts: no second round trip.
+        for state, count, oldest in await self._fetch(
+            "SELECT state, count(*), min(run_at) FROM jobs GROUP BY state", retry=True
         ):
             figures[state] = int(count)
-        return QueueCounts(**figures)
+            if state == "pending":
+                oldest_pending = float(oldest)
+        return QueueCounts.of(figures, oldest_pending, self._clock())
 
     async def get_job(self, job_id: int) -> Job | None:
         row = await self._fetchrow(

@@ -48,7 +48,7 @@ class SqliteAdmin(SqliteTransport):
             (oldest,) = conn.execute(
                 "SELECT min(run_at) FROM jobs WHERE state = 'pending'"
             ).fetchone()
-            return QueueStats(QueueCounts(**figures), by_kind, oldest)
+            return QueueStats(QueueCounts.of(figures, oldest, self._clock()), by_kind, oldest)
 
         return await self._read(read)
 

@@ -65,6 +65,20 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX jobs_done_updated_at ON jobs (state, updated_at) WHERE state = 'done';
     CREATE INDEX jobs_failed_updated_at ON jobs (state, updated_at) WHERE state = 'failed';
     """,
+    # 5: products can be changed and deleted (PATCH, DELETE /produk/{id}).
+    #    version: 1 when created, +1 a change; the ETag is made of it.
+    #    deleted_at: set by a delete, which keeps the row, so that recaps of
+    #    past days and the jobs enqueued for it stay as they were.
+    #    created_nama/created_harga: what the product was created with, kept
+    #    by its first change (NULL: unchanged since), so that a POST retried
+    #    with its Idempotency-Key still gets the first answer. Each ADD
+    #    COLUMN only changes the schema: no row is rewritten.
+    """
+    ALTER TABLE products ADD COLUMN version INTEGER NOT NULL DEFAULT 1 CHECK (version >= 1);
+    ALTER TABLE products ADD COLUMN deleted_at REAL;
+    ALTER TABLE products ADD COLUMN created_nama TEXT;
+    ALTER TABLE products ADD COLUMN created_harga INTEGER;
+    """,
 )
 
 LATEST_VERSION = len(MIGRATIONS)

@@ -85,11 +85,15 @@ class SqliteQueue(SqliteTransport):
     async def counts(self) -> QueueCounts:
         def read(conn: sqlite3.Connection) -> QueueCounts:
             figures = dict.fromkeys(JOB_STATES, 0)
-            for state, count in conn.execute(
-                "SELECT state, count(*) FROM jobs GROUP BY state"
+            oldest_pending = None
+            # min(run_at) in the same pass: jobs_state_run_at covers both columns.
+            for state, count, oldest in conn.execute(
+                "SELECT state, count(*), min(run_at) FROM jobs GROUP BY state"
             ).fetchall():
                 figures[state] = count
-            return QueueCounts(**figures)
+                if state == "pending":
+                    oldest_pending = oldest
+            return QueueCounts.of(figures, oldest_pending, self._clock())
 
         return await self._read(read)
 

@@ -271,7 +271,10 @@ class SqliteTransport:
         backup), and no later success undoes it.
         """
         if self._damage is None and _is_damage(exc):
-            self._damage = f"the database file is damaged: {exc} (README: A damaged database)"
+            self._damage = (
+                f"the database file is damaged: {exc}"
+                " (see /usr/share/doc/toko/docs/how-to/damaged-database.md)"
+            )
             log.critical(
                 "%s; what needs the damaged part fails with 503 until it is restored",
                 self._damage,
