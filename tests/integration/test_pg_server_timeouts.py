@@ -18,6 +18,7 @@ import pytest
 
 from service.store.base import StoreError
 from service.store.postgres import PostgresStore
+from service.store.postgres.migrations import LATEST_VERSION as PG_LATEST
 from service.store.postgres.migrations import MIGRATION_LOCK
 from tests.conftest import ServiceFactory
 from tests.support.api import create_product
@@ -128,7 +129,7 @@ async def test_start_up_waits_for_the_migration_lock_past_the_databases_timeout(
     finally:
         await holder.close()
     await api.async_wait_ready(timeout=30)
-    api.wait_log("database schema created at version 5")
+    api.wait_log(f"database schema created at version {PG_LATEST}")
     api.terminate()
     assert await api.async_wait_exit(timeout=30) == 0
 

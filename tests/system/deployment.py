@@ -1,8 +1,9 @@
-"""toko as installed by ``make install`` in a booted :class:`~tests.system.machine.Machine`.
+"""toko as installed from its Debian package in a booted :class:`~tests.system.machine.Machine`.
 
-The helpers here speak to it the way an admin and a client would: HTTP from
-the host to the socket unit's port, ``systemctl``/``journalctl`` inside, and
-the SQLite database read as the ``toko`` user.
+The helpers here speak to it the way an admin and a client would: apt-get
+and dpkg-query inside, HTTP from the host to the socket unit's port,
+``systemctl``/``journalctl`` inside, and the SQLite database read as the
+``toko`` user.
 """
 
 from __future__ import annotations
@@ -10,19 +11,31 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tests.system.machine import Machine, log, wait_until
+from tests.system.packages import SuitePackages, deb_field
 
 REPO = Path(__file__).resolve().parents[2]
-CHECKOUT = "/root/toko"  # where the admin's checkout lives inside the machine
-VENV_PYTHON = "/opt/toko/venv/bin/python"
-DATABASE = "/var/lib/toko/toko.db"
+PACKAGE = "toko"
+VENV = "/opt/venvs/toko"
+VENV_PYTHON = f"{VENV}/bin/python"
+UNIT_DIR = "/usr/lib/systemd/system"
+DATA_DIR = "/var/lib/toko"
+DATABASE = f"{DATA_DIR}/toko.db"
+CONF_DIR = "/etc/toko"
+TOKEN_FILE = f"{CONF_DIR}/api-token"
+ENV_FILE = f"{CONF_DIR}/toko.env"
+DEB_DIR = "/root"  # where the admin copied the .deb files to
+COMMANDS = ("toko-api", "toko-recap", "toko-backup", "toko-queue", "toko-alert")
+MAN_PAGES = (*(f"man8/{c}.8" for c in COMMANDS), "man5/toko.env.5")
 INSTALLED_UNITS = (
     "toko-api.socket",
     "toko-api.service",
@@ -32,25 +45,25 @@ INSTALLED_UNITS = (
     "toko-backup.timer",
     "toko-alert@.service",
 )
+# What the package enables and starts on install.
+ENABLED_UNITS = ("toko-api.socket", "toko-api.service", "toko-recap.timer", "toko-backup.timer")
 # The sandbox of every toko-*.service: one drop-in beside the units, which
 # systemd applies to each service whose name starts with "toko-".
 HARDENING_DROP_IN = "toko-.service.d/00-hardening.conf"
-TOKEN_FILE = "/etc/toko/api-token"
-ENV_FILE = "/etc/toko/toko.env"
+# The admin's drop-in that moves the socket to this session's port.
+PORT_DROP_IN = "/etc/systemd/system/toko-api.socket.d/test-port.conf"
+NONINTERACTIVE = "DEBIAN_FRONTEND=noninteractive"
 
 
-def checkout_files() -> list[str]:
-    """The checkout as git sees it: tracked plus untracked-but-not-ignored files.
+@dataclass
+class Traffic:
+    """What clients posting products saw: answers with the time each was sent, and failures."""
 
-    Reads the working tree, so uncommitted work is what gets installed.
-    """
-    out = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        check=True,
-    ).stdout
-    return sorted({name.decode() for name in out.split(b"\0") if name})
+    created: list[tuple[float, int]] = field(default_factory=list)  # (sent, product id)
+    failures: list[tuple[float, str]] = field(default_factory=list)  # (sent, what went wrong)
+
+    def sent_between(self, began: float, ended: float) -> list[int]:
+        return [pid for sent, pid in self.created if began <= sent <= ended]
 
 
 @dataclass
@@ -60,36 +73,94 @@ class Response:
 
 
 class Deployment:
-    """toko installed in ``machine``, its socket on the host's 127.0.0.1:``port``."""
+    """toko installed in ``machine`` from ``packages``, its socket on the host's
+    127.0.0.1:``port``."""
 
-    def __init__(self, machine: Machine, port: int) -> None:
+    def __init__(self, machine: Machine, port: int, packages: SuitePackages) -> None:
         self.machine = machine
         self.port = port
+        self.packages = packages
         self.token = ""  # the write token, once installed
 
     def read_token(self) -> str:
-        """The installer's API token (root-only file), remembered for post_product()."""
+        """The package's API token (root-only file), remembered for post_product()."""
         self.token = self.machine.run(["cat", TOKEN_FILE]).stdout.strip()
         return self.token
 
     # -- set-up (before boot: files an admin could have put there)
 
     def stage(self) -> None:
-        self.machine.copy_in(REPO, checkout_files(), CHECKOUT)
         # A free port instead of 8080, so a toko or anything else running on
         # the host cannot collide with the container (they share the network).
         # This is also how an admin moves the socket (`systemctl edit`).
         self.machine.write(
-            "/etc/systemd/system/toko-api.socket.d/test-port.conf",
-            f"[Socket]\nListenStream=\nListenStream=127.0.0.1:{self.port}\n",
+            PORT_DROP_IN, f"[Socket]\nListenStream=\nListenStream=127.0.0.1:{self.port}\n"
         )
 
-    def make(self, target: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        """``make <target>`` in the checkout, exactly as an admin types it."""
+    # -- the package, the admin's way
+
+    def prepare_apt(self) -> None:
+        """What a server has before toko: current package lists, and man-db
+        (Debian's standard system utilities; minbase lacks it)."""
         started = time.monotonic()
-        proc = self.machine.sh(f"cd {CHECKOUT} && make {target}", timeout=timeout)
-        log(f"make {target} took {time.monotonic() - started:.1f} s:\n{proc.stdout[-2000:]}")
+        self.apt("update", "-qq")
+        self.apt("install", "-y", "-qq", "--no-install-recommends", "man-db")
+        log(f"{self.machine.suite}: apt-get update, man-db in {time.monotonic() - started:.1f} s")
+
+    def apt(
+        self, *args: str, check: bool = True, timeout: float = 600
+    ) -> subprocess.CompletedProcess[str]:
+        """``apt-get args`` as root, debconf asking no questions (dpkg still may)."""
+        argv = ["env", NONINTERACTIVE, "apt-get", *args]
+        return self.machine.run(argv, check=check, timeout=timeout)
+
+    def deb_path(self, deb: Path) -> str:
+        """``deb`` copied into the machine (once), as apt-get is given it: a path."""
+        inside = f"{DEB_DIR}/{deb.name}"
+        target = self.machine.root / inside.lstrip("/")
+        if not target.exists():
+            shutil.copy2(deb, target)
+        return inside
+
+    def install(
+        self, deb: Path, *options: str, check: bool = True, timeout: float = 600
+    ) -> subprocess.CompletedProcess[str]:
+        """``apt-get install -y ./toko_….deb`` (and ``options``), as an admin types it."""
+        started = time.monotonic()
+        path = self.deb_path(deb)
+        proc = self.apt("install", "-y", *options, path, check=False, timeout=timeout)
+        log(
+            f"{self.machine.suite}: apt-get install {' '.join(options)} {deb.name} exited"
+            f" {proc.returncode} in {time.monotonic() - started:.1f} s:\n"
+            f"{(proc.stdout + proc.stderr)[-1500:]}"
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"apt-get install {deb.name} failed:\n{proc.stdout}{proc.stderr}")
         return proc
+
+    def status(self) -> str:
+        """dpkg's status of the package as ``dpkg -l`` shows it: ``ii``, ``rc``, or ``un``."""
+        proc = self.machine.run(
+            ["dpkg-query", "-W", "-f=${db:Status-Abbrev}", PACKAGE], check=False
+        )
+        return proc.stdout.strip() if proc.returncode == 0 else "un"
+
+    def version(self) -> str:
+        return self.machine.run(["dpkg-query", "-W", "-f=${Version}", PACKAGE]).stdout
+
+    def ensure_installed(self) -> None:
+        """The current package installed and configured, whatever a test left."""
+        current = self.packages.current.result()
+        status = self.status()
+        if status != "ii" or self.version() != deb_field(current, "Version"):
+            log(f"{self.machine.suite}: reinstalling {current.name}: an earlier test left {status}")
+            # dpkg runs no prerm for a package that is only unpacked (a conffile
+            # question left unanswered): stopped here, nothing of it runs on.
+            units = ["toko-api.socket", "toko-api.service", "toko-*.timer", "toko-*.service"]
+            self.machine.run(["systemctl", "stop", *units], check=False)
+            self.apt("purge", "-y", PACKAGE, check=False)
+            self.install(current)
+        self.read_token()
 
     # -- HTTP from the host
 
@@ -134,6 +205,19 @@ class Deployment:
         assert isinstance(resp.body, dict)
         return resp.body
 
+    def wait_created(self, nama: str, timeout: float = 60) -> dict[str, Any]:
+        """``POST /produk`` until the first 201 (a refused connection or other
+        answer meanwhile is retried): the product."""
+
+        def created() -> dict[str, Any] | None:
+            try:
+                resp = self.post(nama)
+            except OSError:
+                return None
+            return resp.body if resp.status == 201 else None
+
+        return wait_until(created, timeout, f"a 201 for {nama!r}")
+
     def healthz(self) -> Response:
         return self.request("GET", "/healthz", timeout=10)
 
@@ -141,6 +225,19 @@ class Deployment:
 
     def show(self, unit: str, prop: str) -> str:
         return self.machine.run(["systemctl", "show", "-P", prop, unit]).stdout.strip()
+
+    def real_paths(self, *paths: str) -> list[str]:
+        """``paths`` with every link resolved: systemd on Debian 12 names the
+        package's units by /lib, which is /usr/lib there (merged /usr)."""
+        return self.machine.run(["readlink", "-f", *paths]).stdout.split() if paths else []
+
+    def fragment(self, unit: str) -> str:
+        """The unit file systemd loaded ``unit`` from."""
+        (path,) = self.real_paths(self.show(unit, "FragmentPath"))
+        return path
+
+    def drop_ins(self, unit: str) -> list[str]:
+        return self.real_paths(*self.show(unit, "DropInPaths").split())
 
     def timers_scheduled(self, *timers: str) -> bool:
         """Whether ``systemctl list-timers`` shows a next run for each of ``timers``.
@@ -203,7 +300,10 @@ class Deployment:
         )
         if self.show("toko-api.service", "ActiveState") != "active":
             self.machine.run(["systemctl", "start", "toko-api.socket", "toko-api.service"])
-        self.wait_serving()
+        try:
+            self.wait_serving()
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}; the units' state and journal:\n{self.diagnose()}") from None
 
     def now(self) -> float:
         """A point in time to read the journal from (the container shares the host's clock)."""
@@ -256,3 +356,48 @@ class Deployment:
             input=json.dumps({"path": path, "query": query, "params": list(params)}),
         )
         return [tuple(row) for row in json.loads(proc.stdout)]
+
+
+@contextlib.contextmanager
+def posting_meanwhile(toko: Deployment, label: str, clients: int = 2) -> Iterator[Traffic]:
+    """``clients`` clients POST products named ``label …`` back to back while the block runs.
+
+    Each request opens a new connection to the socket's port, so a moment
+    without a listening socket shows as a refused connection. Every answer
+    but a 201 and every error is a failure. Waits for the first 201 of each
+    client before the block starts, and for each client to end after it.
+    """
+    traffic = Traffic()
+    stop = threading.Event()
+    progress = threading.Condition()
+    started: set[int] = set()
+
+    def client(worker: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            sent = time.monotonic()
+            try:
+                resp = toko.post(f"{label} {worker}-{n}")
+            except OSError as exc:
+                traffic.failures.append((sent, repr(exc)))
+                continue
+            with progress:
+                if resp.status == 201:
+                    traffic.created.append((sent, resp.body["id"]))
+                    started.add(worker)
+                else:
+                    traffic.failures.append((sent, f"{resp.status} {resp.body}"))
+                progress.notify_all()
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        with progress:
+            assert progress.wait_for(lambda: len(started) == clients, 60), traffic.failures[:5]
+        yield traffic
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)

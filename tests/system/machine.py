@@ -10,9 +10,10 @@ apt sources at run time.
 
 :class:`Machine` copies a cached tree (``cp -a --reflink=auto``) so the cache
 stays pristine, prepares it for this test environment (the host's extra CA
-certificates, pip's ``cert``), boots it with ``systemd-nspawn --boot
---register=no --keep-unit`` (systemd need not be PID 1 here) and runs commands
-inside with ``nsenter`` in a clean environment, as an admin's root shell would.
+certificates), boots it with ``systemd-nspawn --boot --register=no
+--keep-unit`` (systemd need not be PID 1 here) and runs commands inside with
+``nsenter`` in a clean environment, as an admin's root shell would;
+``run_unbooted()`` runs a command in a copy that is not booted.
 Without ``--private-network`` the container shares the host's network, so its
 sockets are on the host's 127.0.0.1. ``reboot()``, and ``cut_power()`` then
 ``boot_after_cut()``, take it down (cleanly, or by killing every process at
@@ -218,10 +219,11 @@ def _build_tree(suite: str, final: Path) -> None:
 class Machine:
     """One booted copy of a cached tree: prepare(), boot(), then close() in any case."""
 
-    def __init__(self, suite: str, pristine: Path) -> None:
+    def __init__(self, suite: str, pristine: Path, role: str = "tokotest") -> None:
         self.suite = suite
         self.pristine = pristine
-        self.name = f"tokotest-{suite}-{os.getpid()}"
+        # Unique on the host: nspawn keeps a machine's state under /run by its name.
+        self.name = f"{role}-{suite}-{os.getpid()}"
         self.workdir: Path | None = None
         self._nspawn: subprocess.Popen[bytes] | None = None
         self.init_pid = 0
@@ -257,9 +259,6 @@ class Machine:
             check=True,
             stdout=subprocess.DEVNULL,
             env={"PATH": PATH},
-        )
-        (self.root / "etc/pip.conf").write_text(
-            "[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n"
         )
 
     def boot(self, timeout: float = 90) -> None:
@@ -417,16 +416,28 @@ class Machine:
         """Run a shell script inside the container."""
         return self.run(["sh", "-c", script], check=check, timeout=timeout)
 
-    def copy_in(self, source: Path, files: list[str], dest: str) -> None:
-        """Copy ``files`` (relative to ``source``) to ``dest`` inside the tree, keeping modes."""
-        target = self.root / dest.lstrip("/")
-        for rel in files:
-            src = source / rel
-            if not src.is_file():  # deleted in the working tree but still tracked
-                continue
-            out = target / rel
-            out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, out)
+    def run_unbooted(
+        self, argv: list[str], *, check: bool = True, timeout: float = 600
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` in the prepared tree without booting it (with nspawn's
+        own /proc and /dev, the host's network), in a clean root environment."""
+        assert self._nspawn is None, "not while booted"
+        nspawn = ["systemd-nspawn", "--quiet", "--register=no", "--keep-unit"]
+        nspawn += [f"--machine={self.name}", f"--directory={self.root}", "--"]
+        proc = subprocess.run(
+            [*nspawn, "env", "-i", f"PATH={PATH}", *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+        if check and proc.returncode != 0:
+            raise MachineError(
+                f"in {self.name} (not booted): {shlex.join(argv)} exited {proc.returncode}\n"
+                f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+            )
+        return proc
 
     def write(self, path: str, text: str, mode: int = 0o644) -> None:
         """Write a file inside the tree (from the host, as root)."""

@@ -100,7 +100,7 @@ def test_api_service_contract() -> None:
 def test_timer_jobs_contract(job: str) -> None:
     svc = settings((UNITS / f"toko-{job}.service").read_text(), "Service")
     assert svc["Type"] == ["oneshot"] and svc["TimeoutStartSec"]
-    assert svc["ExecStart"] == [f"/opt/toko/venv/bin/toko-{job}"]
+    assert svc["ExecStart"] == [f"/usr/bin/toko-{job}"]
     assert svc["User"] == ["toko"] and svc["StateDirectory"] == ["toko"]
     assert svc["EnvironmentFile"] == ["-/etc/toko/toko.env"]
     timer = settings((UNITS / f"toko-{job}.timer").read_text(), "Timer")
