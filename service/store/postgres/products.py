@@ -18,6 +18,7 @@ from service.models import (
     ProductWritten,
     VersionMismatch,
 )
+from service.store.postgres.queue import INSERT_JOB, insert_job_args
 from service.store.postgres.transport import PostgresTransport
 
 PRODUCT_COLUMNS = "id, nama, harga, created_at, version"
@@ -245,18 +246,5 @@ async def _locked_product(conn: asyncpg.Connection, product_id: int) -> Product 
 
 
 async def _insert_job(conn: asyncpg.Connection, job: NewJob, now: float) -> int:
-    leased = job.leased_for is not None
-    job_id: int = await conn.fetchval(
-        "INSERT INTO jobs (kind, payload, max_attempts, run_at, created_at, updated_at,"
-        " state, attempts, lease_until)"
-        " VALUES ($1, $2::jsonb, $3, $4, $4, $4, $5, $6, $7) RETURNING id",
-        job.kind,
-        json.dumps(job.payload),
-        job.max_attempts,
-        now,
-        # leased_for: claimed by the enqueuing instance itself, as claim() would.
-        "running" if leased else "pending",
-        1 if leased else 0,
-        now + job.leased_for if job.leased_for is not None else None,
-    )
+    job_id: int = await conn.fetchval(INSERT_JOB, *insert_job_args(job, now))
     return job_id

@@ -23,24 +23,34 @@ JOB_COLUMNS = (
 DETAIL_COLUMNS = f"{JOB_COLUMNS}, updated_at, lease_until"
 
 
+# One job row, as enqueue() writes it and as a product change writes it in its
+# own transaction (products.py).
+INSERT_JOB = (
+    "INSERT INTO jobs (kind, payload, max_attempts, run_at, created_at, updated_at,"
+    " state, attempts, lease_until)"
+    " VALUES ($1, $2::jsonb, $3, $4, $4, $4, $5, $6, $7) RETURNING id"
+)
+
+
+def insert_job_args(job: NewJob, now: float) -> tuple[Any, ...]:
+    leased = job.leased_for is not None
+    return (
+        job.kind,
+        json.dumps(job.payload),
+        job.max_attempts,
+        now,
+        # leased_for: claimed by the enqueuing instance itself, as claim() would.
+        "running" if leased else "pending",
+        1 if leased else 0,
+        now + job.leased_for if job.leased_for is not None else None,
+    )
+
+
 class PostgresQueue(PostgresTransport):
     # queue -----------------------------------------------------------------------
     async def enqueue(self, job: NewJob) -> int:
-        now = self._clock()
-        leased = job.leased_for is not None
         row = await self._fetchrow(
-            "INSERT INTO jobs (kind, payload, max_attempts, run_at, created_at, updated_at,"
-            " state, attempts, lease_until)"
-            " VALUES ($1, $2::jsonb, $3, $4, $4, $4, $5, $6, $7) RETURNING id",
-            job.kind,
-            json.dumps(job.payload),
-            job.max_attempts,
-            now,
-            "running" if leased else "pending",
-            1 if leased else 0,
-            now + job.leased_for if job.leased_for is not None else None,
-            write=True,
-            lane=self._enqueues,
+            INSERT_JOB, *insert_job_args(job, self._clock()), write=True, lane=self._enqueues
         )
         assert row is not None
         return int(row[0])
