@@ -1,6 +1,7 @@
 """Outgoing email: a real SMTP client, or the log when no server is configured.
 
-The message itself is service.mail_message; the EHLO name, service.mail_ehlo.
+The message itself is service.mail_message, its bytes service.mail_wire; the
+EHLO name, service.mail_ehlo.
 When the server takes some recipients and defers others (4xx), the send raises
 ``RecipientsDeferred`` naming those left, so the retry goes to them alone.
 An SMTP connection is kept for the next email for a moment (mail_connections).
@@ -12,7 +13,6 @@ import logging
 import socket
 import ssl
 from collections.abc import Mapping
-from email.message import EmailMessage
 from typing import Protocol, TypeVar
 
 import aiosmtplib
@@ -20,6 +20,7 @@ import aiosmtplib
 from service.mail_connections import Connection, ConnectionCache
 from service.mail_ehlo import EHLO_NAME, EhloName
 from service.mail_message import Email
+from service.mail_wire import wire_message
 from service.settings import SmtpTarget
 
 log = logging.getLogger("toko.mail")
@@ -103,9 +104,8 @@ class SmtpMailer:
         self._connections = connections or ConnectionCache()
 
     async def send(self, email: Email) -> None:
-        msg = email.to_mime()
         try:
-            connection, refused = await self._transact(msg, list(email.recipients))
+            connection, refused = await self._transact(email)
         except aiosmtplib.SMTPResponseException as exc:
             message = f"SMTP {exc.code}: {exc.message}"
             advice = self._reply_advice(exc)
@@ -143,14 +143,14 @@ class SmtpMailer:
         await self._connections.close()
 
     async def _transact(
-        self, msg: EmailMessage, recipients: list[str]
+        self, email: Email
     ) -> tuple[Connection, dict[str, aiosmtplib.SMTPResponse]]:
         """One mail transaction, on an idle connection if there is one; the
         connection used (for the next email) and the recipients refused."""
         kept = self._connections.take()
         if kept is not None:
             try:
-                return kept, await _send_on(kept.client, msg, recipients)
+                return kept, await _send_on(kept.client, email)
             except aiosmtplib.SMTPResponseException as exc:
                 if exc.code != SERVER_CLOSING:
                     raise
@@ -165,7 +165,7 @@ class SmtpMailer:
             # emails per connection): no fault of this email, which goes again
             # at once, on a new connection.
         connection = self._connections.opened(await self._connect())
-        return connection, await _send_on(connection.client, msg, recipients)
+        return connection, await _send_on(connection.client, email)
 
     async def _connect(self) -> aiosmtplib.SMTP:
         target = self._target
@@ -300,11 +300,22 @@ def _cause(exc: BaseException, kind: type[_E]) -> _E | None:
     return None
 
 
-async def _send_on(
-    client: aiosmtplib.SMTP, msg: EmailMessage, recipients: list[str]
-) -> dict[str, aiosmtplib.SMTPResponse]:
+async def _send_on(client: aiosmtplib.SMTP, email: Email) -> dict[str, aiosmtplib.SMTPResponse]:
+    recipients = list(email.recipients)
     try:
-        refused, _ = await client.send_message(msg, recipients=recipients)
+        # The server's extensions are known once it answered EHLO (aiosmtplib
+        # says it on connecting, for STARTTLS): then the message's bytes can
+        # be made for it (mail_wire); else send_message finds out itself.
+        wire = None
+        if not client.is_ehlo_or_helo_needed:
+            wire = wire_message(email, eight_bit=client.supports_extension("8bitmime"))
+        if wire is None:
+            refused, _ = await client.send_message(email.to_mime(), recipients=recipients)
+        else:
+            options = ["BODY=8BITMIME"] if wire.eight_bit else []
+            refused, _ = await client.sendmail(
+                wire.sender, recipients, wire.data, mail_options=options
+            )
     except BaseException:
         # Abort at once: aiosmtplib's own clean-up would wait for a QUIT
         # reply, which stalls a cancelled send (a drain) for long. And a

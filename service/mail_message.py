@@ -106,14 +106,15 @@ class Email:
         """The envelope's recipients (RCPT TO)."""
         return self.resend_to or self.to
 
-    def to_mime(self) -> EmailMessage:
+    def to_mime(self, now: float | None = None) -> EmailMessage:
+        """The message, dated ``now`` (a Unix time; the current one by default)."""
         msg = EmailMessage(policy=MESSAGE_POLICY)
         msg["From"] = self.mail_from
         msg["To"] = ", ".join(self.to)
         # The email package refuses a header with a line break in it, and counts
         # U+2028/U+2029 as ones: a subject is one line, whatever text it quotes.
         msg.set_raw("Subject", encoded_subject(" ".join(self.subject.splitlines())))
-        msg["Date"] = formatdate(localtime=False, usegmt=True)
+        msg["Date"] = formatdate(now, localtime=False, usegmt=True)
         msg["Message-ID"] = self.message_id
         msg["X-Toko-Job-Id"] = str(self.job_id)
         msg.set_content(self.body)
