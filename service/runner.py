@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -102,6 +103,10 @@ async def serve(settings: Settings, stop_asked: Callable[[], bool] = _not_asked)
                 "OPEN_FILES_LIMIT": open_files,
             },
         )
+        # What start-up made (modules, the app, the settings) lives as long as
+        # the process: out of the collector's sight, a full collection under
+        # load walks only what came since, about 1 ms instead of 30.
+        gc.freeze()
         side_tasks = [
             asyncio.create_task(_status_loop(app, notifier, status_failures), name="toko-status"),
             # A store that broke for good (its writer died) fails every write:

@@ -18,7 +18,7 @@ from bench.disk_probes import (
 from bench.loadgen import Sample
 from bench.loadgen_split import merge
 from bench.rawhttp import parse_head
-from bench.scenario_disk import evaluate, targets_for, window_stats
+from bench.scenario_disk import Quiet, evaluate, targets_for, window_stats
 
 MOUNTS = """\
 proc /proc proc rw,relatime 0 0
@@ -162,6 +162,29 @@ def test_evaluate_names_the_windows_over_target() -> None:
     relaxed = evaluate(windows, p99_target_ms=50, max_target_ms=20, lateness_limit_ms=5)
     assert relaxed["checks"]["p99_every_window"] and not relaxed["checks"]["max_within_target"]
     assert relaxed["generator_kept_up"]
+
+
+def test_windows_the_machine_disturbed_are_told_apart_and_still_count() -> None:
+    samples = [_sample(i, i / 100, 1.0) for i in range(1500)]
+    for i in (*range(500, 520), *range(1000, 1020)):  # windows 5-10 s and 10-15 s miss
+        samples[i] = _sample(i, i / 100, 30.0)
+    windows = window_stats(samples, window_s=5, duration_s=15)
+    windows[0]["cpu_steal_pct"] = 20.0  # disturbed, yet within target
+    windows[1]["fsync_max_ms"] = 140.0  # the disk stalled for everyone
+    verdict = evaluate(windows, p99_target_ms=5, max_target_ms=100, lateness_limit_ms=5)
+    assert verdict["windows_over_p99_target"] == [5, 10]
+    assert not verdict["checks"]["p99_every_window"]  # the target holds for every window
+    assert verdict["disturbed"] == {"0": ["steal"], "5": ["disk"]}
+    assert verdict["quiet_windows"] == 1
+    assert verdict["quiet_windows_over_p99_target"] == [10]
+    calm = evaluate(
+        windows,
+        p99_target_ms=5,
+        max_target_ms=100,
+        lateness_limit_ms=5,
+        quiet=Quiet(steal_pct=50, probe_ms=200),
+    )
+    assert calm["quiet_windows"] == 3 and calm["disturbed"] == {}
 
 
 def test_evaluate_an_empty_window_misses() -> None:
