@@ -79,8 +79,12 @@ $(BIN)/.bench-installed: $(BIN)/.installed
 	$(BIN)/pip install -q -e '.[test,bench]'
 	touch $@
 
+# Postfix's smtp-sink and smtp-source, the C SMTP server and client email
+# throughput is measured with: unpacked from the Debian package into build/,
+# never installed (the package would set up and start a mail server).
 bench: venv $(BIN)/.bench-installed
 	./scripts/ensure-apt.sh $(APT_BENCH) $(APT_PG)
+	$(BIN)/python -m bench.postfix
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
 deb:
