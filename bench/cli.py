@@ -111,7 +111,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--scenario",
         action="append",
         choices=[*SCENARIOS, *ALIASES],
-        help="scenario to run (repeatable; a-i as short names; default: all)",
+        help="scenario to run (repeatable; a-j as short names; default: all)",
     )
     p.add_argument(
         "--smoke",
