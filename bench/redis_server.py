@@ -66,3 +66,14 @@ def redis_server(log_path: Path) -> Iterator[RedisServer]:
             yield RedisServer(port, p)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def flush_redis(port: int) -> None:
+    """Empty the server on ``port`` between measurements."""
+    import redis  # the bench extra only (arq's client)
+
+    client = redis.Redis(host="127.0.0.1", port=port)
+    try:
+        client.flushall()
+    finally:
+        client.close()

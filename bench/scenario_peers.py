@@ -55,7 +55,7 @@ from bench.procs import (
     managed,
     wait_for_quiet,
 )
-from bench.redis_server import RedisServer, redis_server
+from bench.redis_server import RedisServer, flush_redis, redis_server
 from bench.sink import smtp_sink
 from bench.stats import Spread, fmt_spread, spread
 from bench.toko import Target, TokoCommand, running, toko_target
@@ -479,7 +479,7 @@ def _fastapi(env: _Env, name: str, smtp_url: str) -> Iterator[_Stack]:
 @contextlib.contextmanager
 def _aiohttp_arq(env: _Env, name: str, smtp_url: str) -> Iterator[_Stack]:
     assert env.redis is not None
-    _flush_redis(env.redis.port)
+    flush_redis(env.redis.port)
     port = free_port()
     penv = _peer_env(
         smtp_url,
@@ -497,16 +497,6 @@ def _aiohttp_arq(env: _Env, name: str, smtp_url: str) -> Iterator[_Stack]:
             [proc.pid, env.redis.proc.pid],
             lambda: _worker_proc("arq", worker, penv, env.workdir / f"{name}-worker.log"),
         )
-
-
-def _flush_redis(port: int) -> None:
-    import redis  # the bench extra only (arq's client)
-
-    client = redis.Redis(host="127.0.0.1", port=port)
-    try:
-        client.flushall()
-    finally:
-        client.close()
 
 
 def _durable_redis(port: int) -> None:

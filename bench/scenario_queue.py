@@ -73,7 +73,7 @@ from bench.procs import (
 from bench.queue_common import seed
 from bench.queue_settings import settings_for
 from bench.queue_worker import adapter
-from bench.redis_server import RedisServer, redis_server
+from bench.redis_server import RedisServer, flush_redis, redis_server
 from bench.stats import Spread, fmt_spread, percentile, spread
 
 # Measured with a producer process of its own, and a diagnostic: every other
@@ -302,7 +302,7 @@ class _Backends:
             return {"database": str(path)}
         if system == "arq":
             assert self.redis is not None
-            _flush_redis(self.redis.port)
+            flush_redis(self.redis.port)
             return self.redis.target
         assert self.cluster is not None
         url = self.cluster.create_database("bq")
@@ -325,16 +325,6 @@ class _Backends:
 def _unlink_db(path: Path) -> None:
     for suffix in ("", "-wal", "-shm"):
         Path(f"{path}{suffix}").unlink(missing_ok=True)
-
-
-def _flush_redis(port: int) -> None:
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=port)
-    try:
-        client.flushall()
-    finally:
-        client.close()
 
 
 def _cmd(system: str, *args: str) -> list[str]:
