@@ -348,3 +348,9 @@ def wait_for_quiet(threshold_pct: float, max_wait_s: float) -> dict[str, float]:
     while level > threshold_pct and time.monotonic() - t0 < max_wait_s:
         level = machine_busy_pct()
     return {"busy_pct": round(level, 1), "waited_s": round(time.monotonic() - t0, 1)}
+
+
+def remove_sqlite(path: Path) -> None:
+    """Delete a SQLite database with its write-ahead log and index, if there."""
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)

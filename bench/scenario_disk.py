@@ -58,7 +58,7 @@ from bench.disk_probes import (
 )
 from bench.loadgen import Sample
 from bench.loadgen_split import open_loop_split
-from bench.procs import FsyncMonitor, cpu_snapshot, cpu_usage, wait_for_quiet
+from bench.procs import FsyncMonitor, cpu_snapshot, cpu_usage, remove_sqlite, wait_for_quiet
 from bench.sink import smtp_sink
 from bench.stats import percentile
 from bench.toko import TokoCommand, running, toko_target
@@ -273,8 +273,7 @@ class _Backend:
             folder = workdir / label
             folder.mkdir(parents=True, exist_ok=True)
             db = folder / "toko.db"
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{db}{suffix}").unlink(missing_ok=True)
+            remove_sqlite(db)
             return str(db), folder, db
         return self.cluster.create_database("disk"), self.cluster.folder, None
 

@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from bench.postfix import postfix_sink
-from bench.procs import cpu_snapshot, cpu_usage, wait_for_quiet
+from bench.procs import cpu_snapshot, cpu_usage, remove_sqlite, wait_for_quiet
 from bench.sink import smtp_sink
 from bench.stats import fmt_spread, spread
 from bench.toko import Target, TokoCommand, running, toko_target
@@ -130,8 +130,7 @@ def run(cfg: EmailConfig, workdir: Path) -> dict[str, Any]:
     for rep in range(cfg.reps):
         label = f"drain-{rep + 1}"
         db = workdir / f"{label}.db"
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{db}{suffix}").unlink(missing_ok=True)
+        remove_sqlite(db)
         created = _fill(cfg, db, workdir)
         if created != cfg.jobs:
             raise RuntimeError(f"the backlog has {created} products, not {cfg.jobs}")

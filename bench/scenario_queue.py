@@ -67,6 +67,7 @@ from bench.procs import (
     cpu_usage,
     fsync_probe,
     managed,
+    remove_sqlite,
     venv_bin,
     wait_for_quiet,
 )
@@ -296,9 +297,8 @@ class _Backends:
         system = system_of(label)
         if label == "toko-sqlite":
             path = self.workdir / f"{name}.db"
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{path}{suffix}").unlink(missing_ok=True)
-            self.cleanup.append(lambda: _unlink_db(path))
+            remove_sqlite(path)
+            self.cleanup.append(lambda: remove_sqlite(path))
             return {"database": str(path)}
         if system == "arq":
             assert self.redis is not None
@@ -320,11 +320,6 @@ class _Backends:
         while self.cleanup:
             with contextlib.suppress(Exception):
                 self.cleanup.pop()()
-
-
-def _unlink_db(path: Path) -> None:
-    for suffix in ("", "-wal", "-shm"):
-        Path(f"{path}{suffix}").unlink(missing_ok=True)
 
 
 def _cmd(system: str, *args: str) -> list[str]:
