@@ -17,12 +17,14 @@ from service.keys import (
     METRICS,
     NOTIFIER,
     POOL,
+    REQUESTS_FIRST,
     SETTINGS,
     STORE,
     HttpState,
 )
 from service.mail import LogMailer, Mailer, SmtpMailer
 from service.metrics import Metrics
+from service.requests_first import RequestsFirst
 from service.routes import routes
 from service.settings import Settings
 from service.store import open_store
@@ -49,7 +51,8 @@ def make_mailer(settings: Settings) -> Mailer:
 def create_app(settings: Settings, notifier: Notifier | None = None) -> web.Application:
     metrics = Metrics(kinds=HANDLERS)
     # Outermost first: metrics see every answer, including the JSON errors and 401s.
-    middlewares = [metrics.middleware, json_errors]
+    requests_first = RequestsFirst()
+    middlewares = [requests_first.middleware, metrics.middleware, json_errors]
     auth = bearer_auth(settings.http.api_token)
     if auth is not None:
         middlewares.append(auth)
@@ -63,6 +66,7 @@ def create_app(settings: Settings, notifier: Notifier | None = None) -> web.Appl
     )
     app[SETTINGS] = settings
     app[METRICS] = metrics
+    app[REQUESTS_FIRST] = requests_first
     app[HTTP_STATE] = HttpState()
     app.on_response_prepare.append(_close_connections_when_draining)
     app.on_response_prepare.append(json_router_errors)
@@ -105,7 +109,14 @@ async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
         job_timeout=settings.pool.timeout,
         backoff_base=settings.pool.backoff,
     )
-    pool = WorkerPool(app[STORE], context, HANDLERS, config, observer=app[METRICS])
+    pool = WorkerPool(
+        app[STORE],
+        context,
+        HANDLERS,
+        config,
+        observer=app[METRICS],
+        turn=app[REQUESTS_FIRST].turn,
+    )
     app[STORE].add_wakeup_listener(pool.notify)
     await pool.start()
     app[POOL] = pool

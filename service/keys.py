@@ -8,6 +8,7 @@ from aiohttp import web
 
 from service.health import HealthReads
 from service.metrics import Metrics
+from service.requests_first import RequestsFirst
 from service.settings import Settings
 from service.store.roles import Store
 from service.systemd import Notifier
@@ -26,5 +27,6 @@ STORE = web.AppKey("store", Store)
 POOL = web.AppKey("pool", WorkerPool)
 NOTIFIER = web.AppKey("notifier", Notifier)
 METRICS = web.AppKey("metrics", Metrics)
+REQUESTS_FIRST = web.AppKey("requests_first", RequestsFirst)
 HEALTH = web.AppKey("health", HealthReads)
 HTTP_STATE = web.AppKey("http_state", HttpState)

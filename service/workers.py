@@ -108,8 +108,10 @@ class WorkerPool:
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         observer: JobObserver | None = None,
+        turn: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._store = store
+        self._turn = turn  # awaited before each job: requests go first (requests_first)
         self._context = context
         self._handlers = handlers
         self._config = config
@@ -439,6 +441,8 @@ class WorkerPool:
                 return
             self._busy += 1
             try:
+                if self._turn is not None:
+                    await self._turn()  # counted busy meanwhile: stop() drains it
                 await self._run(job, name)
             except BaseException:
                 # This worker dies mid-job (a bug, or a cancel). Let go of the

@@ -36,14 +36,19 @@ async def make_pool(store: Store) -> AsyncIterator[Callable[..., WorkerPool]]:
     pools: list[WorkerPool] = []
 
     def make(
-        handler: HandlerFn, clock: Callable[[], float] = time.time, **config: float
+        handler: HandlerFn,
+        clock: Callable[[], float] = time.time,
+        turn: Callable[[], Awaitable[None]] | None = None,
+        **config: float,
     ) -> WorkerPool:
         cfg = PoolConfig(
             workers=int(config.get("workers", 2)),
             job_timeout=config.get("job_timeout", 5.0),
             backoff_base=config.get("backoff_base", 0.01),
         )
-        pool = WorkerPool(store, CONTEXT, {"k": handler}, cfg, clock=clock, rng=random.Random(7))
+        pool = WorkerPool(
+            store, CONTEXT, {"k": handler}, cfg, clock=clock, rng=random.Random(7), turn=turn
+        )
         pools.append(pool)
         return pool
 
@@ -628,6 +633,29 @@ async def test_stop_drains_the_running_job_and_releases_unstarted_ones(
     assert (await store.get_job(first)).state == "done"  # type: ignore[union-attr]
     unstarted = await store.get_job(second)
     assert unstarted is not None and unstarted.state == "pending" and unstarted.attempts == 0
+
+
+async def test_a_job_starts_only_once_the_pool_is_given_its_turn(
+    store: Store, make_pool: Callable[..., WorkerPool]
+) -> None:
+    asked = asyncio.Event()
+    go = asyncio.Event()
+
+    async def turn() -> None:  # requests_first.RequestsFirst.turn in toko-api
+        asked.set()
+        await go.wait()
+
+    ran, handler = signalling_handler()
+    pool = make_pool(handler, turn=turn, workers=1)
+    job_id = await store.enqueue(NewJob("k", {}, 3))
+    await pool.start()
+    async with asyncio.timeout(5):
+        await asked.wait()
+    assert not ran.is_set() and pool.busy == 1  # held, and counted as taken
+    go.set()
+    async with asyncio.timeout(5):
+        await ran.wait()
+    await wait_state(store, job_id, "done")
 
 
 async def test_drain_timeout_leaves_the_job_for_the_next_start(
