@@ -37,11 +37,9 @@ class RequestsFirst:
     def __init__(
         self,
         *,
-        longest_wait: float = LONGEST_WAIT_SECONDS,
         clock: Callable[[], float] = time.monotonic,
         cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
-        self._longest_wait = longest_wait
         self._clock = clock
         self._cpu_clock = cpu_clock
         # No window yet: the first question starts one (in the loop's thread).
@@ -68,7 +66,7 @@ class RequestsFirst:
         if not self.in_flight or not self._loop_busy():
             return
         self.held += 1
-        give_up = self._clock() + self._longest_wait
+        give_up = self._clock() + LONGEST_WAIT_SECONDS
         while True:
             left = give_up - self._clock()
             if left <= 0:
