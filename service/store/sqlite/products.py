@@ -16,7 +16,7 @@ from service.models import (
     ProductWritten,
     VersionMismatch,
 )
-from service.store.sqlite.queue import insert_jobs, insert_returning_ids
+from service.store.sqlite.queue import insert_jobs, insert_rows
 from service.store.sqlite.transport import SqliteTransport
 
 
@@ -196,7 +196,7 @@ def _insert_products(
 ) -> list[tuple[Product, int]]:
     if not items:
         return []
-    ids = insert_returning_ids(
+    ids = insert_rows(
         conn,
         "products",
         ("nama", "harga", "created_at", "idempotency_key"),

@@ -110,22 +110,29 @@ def _values(rows: int, columns: int) -> str:
     return ", ".join([row] * rows)
 
 
-def insert_returning_ids(
+def insert_rows(
     conn: sqlite3.Connection, table: str, columns: Sequence[str], rows: list[tuple[Any, ...]]
 ) -> list[int]:
+    """Insert ``rows`` in one statement; return their ids, in order.
+
+    Without RETURNING: it hands back one row per step, and each step gives up
+    the GIL and must win it back from the busy event loop, which under load
+    cost the writer more than its disk did. Each new rowid is the table's
+    largest plus one, so one statement's rows get consecutive ids ending at
+    ``lastrowid`` (toko never writes an id itself, so they stay far below
+    2**63 - 1, past which SQLite would pick them at random).
+    """
     flat = [value for row in rows for value in row]
-    cur = conn.execute(
-        f"INSERT INTO {table} ({', '.join(columns)}) "
-        f"VALUES {_values(len(rows), len(columns))} RETURNING id",
+    last = conn.execute(
+        f"INSERT INTO {table} ({', '.join(columns)}) VALUES {_values(len(rows), len(columns))}",
         flat,
-    )
-    # Rowids are handed out in increasing order within one statement, while we
-    # hold the write lock; RETURNING's own order is unspecified, so sort.
-    return sorted(row[0] for row in cur.fetchall())
+    ).lastrowid
+    assert last is not None
+    return list(range(last - len(rows) + 1, last + 1))
 
 
 def insert_jobs(conn: sqlite3.Connection, items: list[tuple[NewJob, float]]) -> list[int]:
-    return insert_returning_ids(
+    return insert_rows(
         conn,
         "jobs",
         _JOB_INSERT_COLUMNS,
