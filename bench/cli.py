@@ -246,9 +246,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument(
         "--disk-p99-targets",
         type=_floats,
-        default=(5.0, 20.0),
+        default=None,
         metavar="MS,MS",
-        help="p99 target per window, one per rate, the last repeated (default 5,20)",
+        help="p99 target per window, one per rate, the last repeated (default: the "
+        "issue's, 5 ms up to 1,000/s and 20 ms above)",
     )
     g.add_argument("--disk-max-target", type=float, default=100.0, help="ms no request may exceed")
     g = p.add_argument_group("(i) peers")

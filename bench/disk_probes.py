@@ -9,7 +9,11 @@
   its salt, which changes at every restart), and cumulative CPU seconds of the
   whole machine, of toko-api, of the bench's own process tree and of a
   PostgreSQL server's processes. Consecutive ticks give the CPU other
-  tenants used in any window, and when checkpoints ran.
+  tenants used in any window, and when checkpoints ran. Of toko-api's threads
+  it also records, from each one's ``/proc/<pid>/task/<tid>/schedstat``, the
+  time they ran and the time they were ready but waited for a core (the
+  scheduler's run queue): the event loop's thread apart, the others (the
+  SQLite writer, its checkpointer, readers) summed.
 """
 
 from __future__ import annotations
@@ -162,6 +166,20 @@ class Tick:
     steal_s: float = 0.0
     wal_bytes: int | None = None
     wal: WalIndex | None = None
+    # toko-api's threads: (ran, waited for a core), cumulative seconds.
+    loop_sched_s: tuple[float, float] = (0.0, 0.0)
+    threads_sched_s: tuple[float, float] = (0.0, 0.0)
+
+
+def thread_schedstats(pid: int) -> dict[int, tuple[float, float]]:
+    """Each thread's (ran, waited in the run queue) seconds, from schedstat."""
+    out: dict[int, tuple[float, float]] = {}
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                ran, waited, _ = (int(v) for v in (task / "schedstat").read_text().split())
+                out[int(task.name)] = (ran / 1e9, waited / 1e9)
+    return out
 
 
 class _Counter:
@@ -199,6 +217,8 @@ class RunSampler:
         self._ours = _Counter()
         self._postgres = _Counter()
         self._toko = _Counter()
+        self._loop_ran, self._loop_waited = _Counter(), _Counter()
+        self._threads_ran, self._threads_waited = _Counter(), _Counter()
         self._machine0 = _machine()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="run-sampler", daemon=True)
@@ -238,6 +258,9 @@ class RunSampler:
         pg = descendants(parents, self.postgres_pid) if self.postgres_pid else set()
         ours = descendants(parents, os.getpid()) - pg
         size, index = self._wal()
+        sched = thread_schedstats(self.toko_pid)
+        loop = {t: v for t, v in sched.items() if t == self.toko_pid}
+        others = {t: v for t, v in sched.items() if t != self.toko_pid}
         self.ticks.append(
             Tick(
                 at=at,
@@ -249,6 +272,14 @@ class RunSampler:
                 steal_s=steal,
                 wal_bytes=size,
                 wal=index,
+                loop_sched_s=(
+                    self._loop_ran.add({t: v[0] for t, v in loop.items()}),
+                    self._loop_waited.add({t: v[1] for t, v in loop.items()}),
+                ),
+                threads_sched_s=(
+                    self._threads_ran.add({t: v[0] for t, v in others.items()}),
+                    self._threads_waited.add({t: v[1] for t, v in others.items()}),
+                ),
             )
         )
 
@@ -269,10 +300,13 @@ def tick_figures(ticks: Sequence[Tick], start: float, end: float) -> dict[str, A
     PostgreSQL, interrupts and steal: other tenants' processes and kernel
     threads. WAL: file sizes and in-use sizes at the ticks, bytes checkpoints
     copied into the database, and restarts of the log (its salt changed). Both
-    are lower bounds: two restarts between ticks look like one.
+    are lower bounds: two restarts between ticks look like one. toko-api's
+    event loop thread and its other threads: percent of the time they ran
+    and that they were ready to run but waited for a core.
     """
     span = 0.0
     machine = toko = ours = postgres = irq = steal = 0.0
+    loop_ran = loop_waited = threads_ran = threads_waited = 0.0
     checkpointed = 0
     restarts = 0
     for prev, cur in itertools.pairwise(ticks):
@@ -285,6 +319,10 @@ def tick_figures(ticks: Sequence[Tick], start: float, end: float) -> dict[str, A
         postgres += cur.postgres_s - prev.postgres_s
         irq += cur.irq_s - prev.irq_s
         steal += cur.steal_s - prev.steal_s
+        loop_ran += cur.loop_sched_s[0] - prev.loop_sched_s[0]
+        loop_waited += cur.loop_sched_s[1] - prev.loop_sched_s[1]
+        threads_ran += cur.threads_sched_s[0] - prev.threads_sched_s[0]
+        threads_waited += cur.threads_sched_s[1] - prev.threads_sched_s[1]
         a, b = prev.wal, cur.wal
         if a is not None and b is not None:
             if a.salt != b.salt:
@@ -306,6 +344,10 @@ def tick_figures(ticks: Sequence[Tick], start: float, end: float) -> dict[str, A
         "cpu_irq_pct": pct(irq),
         "cpu_steal_pct": pct(steal),
         "cpu_others_pct": pct(max(0.0, machine - ours - postgres - irq - steal)),
+        "toko_loop_ran_pct": pct(loop_ran),
+        "toko_loop_waited_pct": pct(loop_waited),
+        "toko_threads_ran_pct": pct(threads_ran),
+        "toko_threads_waited_pct": pct(threads_waited),
     }
     sizes = [t.wal_bytes for t in inside if t.wal_bytes is not None]
     if sizes:

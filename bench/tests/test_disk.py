@@ -3,7 +3,10 @@ its raw client's response heads."""
 
 from __future__ import annotations
 
+import os
 import struct
+import threading
+import time
 
 import pytest
 
@@ -14,6 +17,7 @@ from bench.disk_probes import (
     descendants,
     filesystem_of,
     parse_wal_index,
+    thread_schedstats,
 )
 from bench.loadgen import Sample
 from bench.loadgen_split import merge
@@ -59,6 +63,12 @@ def test_targets_by_position_last_repeats() -> None:
     assert targets_for([1000], [5, 20]) == [5]
     with pytest.raises(ValueError):
         targets_for([1000], [])
+
+
+def test_default_targets_follow_the_rate_not_the_position() -> None:
+    assert targets_for([1000, 2000], None) == [5, 20]
+    assert targets_for([2000], None) == [20]
+    assert targets_for([500, 1500, 4000], None) == [5, 20, 20]
 
 
 def _sample(i: int, scheduled: float, latency_ms: float, late_ms: float = 0.1) -> Sample:
@@ -247,3 +257,35 @@ def test_descendants_walk_the_whole_subtree() -> None:
     assert descendants(parents, 10) == {10, 11, 12, 13}
     assert descendants(parents, 13) == {13}
     assert descendants(parents, 99) == set()
+
+
+def test_toko_threads_ran_and_waited_for_a_core_by_window() -> None:
+    ticks = [
+        Tick(0.0, 0.0, 0.0, 0.0, 0.0),
+        Tick(2.0, 2.0, 1.0, 1.0, 0.0, loop_sched_s=(1.6, 0.2), threads_sched_s=(0.4, 0.5)),
+    ]
+    (w,) = window_stats([_sample(0, 0.0, 1.0)], window_s=5, duration_s=5, ticks=ticks)
+    assert (w["toko_loop_ran_pct"], w["toko_loop_waited_pct"]) == (80.0, 10.0)
+    assert (w["toko_threads_ran_pct"], w["toko_threads_waited_pct"]) == (20.0, 25.0)
+
+
+def test_a_real_thread_s_schedstat_counts_the_time_it_ran() -> None:
+    done, read = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+        done.set()
+        read.wait(10)  # alive until its figures are read
+
+    before = thread_schedstats(os.getpid())
+    thread = threading.Thread(target=spin)
+    thread.start()
+    assert done.wait(10)
+    during = thread_schedstats(os.getpid())
+    read.set()
+    thread.join()
+    assert os.getpid() in before and thread.native_id in during
+    ran, waited = during[thread.native_id]
+    assert ran >= 0.04 and waited >= 0.0
