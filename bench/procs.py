@@ -67,6 +67,26 @@ class Managed:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def dump_stacks(self) -> Path | None:
+        """Every thread's Python stack (py-spy dump) into ``<log>.stacks``, for a
+        process that hangs; None when py-spy is missing or could not read it."""
+        spy = venv_bin("py-spy")
+        if not spy.exists():
+            return None
+        out = self.log_path.with_name(self.log_path.name + ".stacks")
+        try:
+            with out.open("wb") as f:
+                done = subprocess.run(
+                    [str(spy), "dump", "--pid", str(self.pid)],
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    timeout=20,
+                    check=False,
+                )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out if done.returncode == 0 else None
+
     def wait_port(self, port: int, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -85,7 +105,12 @@ class Managed:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                print(f"bench: {self.name} ignored SIGTERM {timeout}s, killing", file=sys.stderr)
+                stacks = self.dump_stacks()
+                print(
+                    f"bench: {self.name} ignored SIGTERM {timeout}s, killing"
+                    + (f"; its threads' stacks are in {stacks}" if stacks else ""),
+                    file=sys.stderr,
+                )
                 self.killed = True
                 with contextlib.suppress(ProcessLookupError):
                     self.proc.kill()
