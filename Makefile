@@ -65,7 +65,7 @@ lint: venv
 
 test: venv lint
 	./scripts/ensure-apt.sh $(APT_TEST) $(APT_PG) $(APT_TRACE) $(APT_MAN) $(APT_PROM)
-	$(BIN)/pytest
+	./scripts/run-tests.sh $(BIN)
 
 test-unit: venv
 	./scripts/ensure-apt.sh $(APT_PG) $(APT_TRACE) $(APT_MAN) $(APT_PROM)
