@@ -234,7 +234,6 @@ class SqliteTransport:
         return self._writer.batches, self._writer.ops
 
     # plumbing ------------------------------------------------------------------
-    # plumbing ------------------------------------------------------------------
     async def _write(self, fn: BatchFn[A, T], arg: A) -> T:
         try:
             result = await self._writer.run(fn, arg)
