@@ -33,7 +33,7 @@ from bench import (
     scenario_throughput,
     scenario_tutorial,
 )
-from bench.procs import REPO, fsync_probe, install_sigterm_as_interrupt, venv_bin
+from bench.procs import REPO, cpu_probe, fsync_probe, install_sigterm_as_interrupt, venv_bin
 from bench.toko import TokoCommand, snapshot
 
 SCENARIOS = (
@@ -541,12 +541,14 @@ def main(argv: list[str] | None = None) -> int:
             "git": toko.revision,
             "loadavg_before": os.getloadavg(),
             "fsync_before": fsync_probe(workdir),
+            "cpu_probe_before": cpu_probe(),
             "toko_cmd": toko.argv,
             "smoke": args.smoke,
             "workdir": str(workdir),
         }
     }
     print(f"bench: logs and databases in {workdir}", flush=True)
+    print(f"bench: {report.machine_speed(results['meta'])}", flush=True)
     failed: list[str] = []
     try:
         for name in args.scenarios:
@@ -566,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         results["meta"]["loadavg_after"] = os.getloadavg()
         results["meta"]["fsync_after"] = fsync_probe(workdir)
+        results["meta"]["cpu_probe_after"] = cpu_probe()
         _write(results, results_dir, stamp)
         if snapdir is not None:
             shutil.rmtree(snapdir, ignore_errors=True)

@@ -164,12 +164,22 @@ def text_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def machine_speed(meta: dict[str, Any]) -> str:
+    """The CPU probe's figures (bench.procs.cpu_probe), to tell a slow VM from slow code."""
+    probes = [meta.get(key) for key in ("cpu_probe_before", "cpu_probe_after")]
+    medians = [f"{p['median_us']:.1f}" for p in probes if p]
+    if not medians:
+        return "CPU probe not run"
+    return f"CPU probe {' then '.join(medians)} µs per iteration (lower is faster)"
+
+
 def markdown(results: dict[str, Any]) -> str:
     """README-ready Markdown: one small table per scenario, then the checks."""
     meta = results["meta"]
     out = [
         f"Measured {meta['started']} with `{meta['command']}` on {meta['machine']}"
-        f" (toko {meta['git']}). Medians with min-max over runs in brackets.",
+        f" (toko {meta['git']}; {machine_speed(meta)}). Medians with min-max over runs"
+        " in brackets.",
         "",
     ]
     tp = results.get("throughput")

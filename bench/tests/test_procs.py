@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
-from bench.procs import managed
+from bench.procs import cpu_probe, managed
 
 HANGS = """
 import signal, sys, time
@@ -32,3 +32,12 @@ def test_a_process_ignoring_sigterm_is_killed_with_its_stacks_saved(tmp_path: Pa
     assert p.killed and p.proc.returncode == -signal.SIGKILL
     stacks = log.with_name("hangs.log.stacks").read_text()
     assert "stuck_in_shutdown" in stacks
+
+
+def test_the_cpu_probe_gives_time_per_iteration() -> None:
+    short = cpu_probe(rounds=3, iterations=200)
+    assert 0 < short["min_us"] <= short["median_us"] <= short["max_us"]
+    # Per iteration, so the count of iterations must not change the figure much;
+    # a probe that timed the whole round instead would be 50 times larger here.
+    longer = cpu_probe(rounds=3, iterations=10000)
+    assert longer["median_us"] < 10 * short["median_us"]

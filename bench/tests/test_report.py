@@ -37,3 +37,12 @@ def test_throughput_table_gives_cpu_per_request() -> None:
     # 100 % of a core at 5000 req/s is 200 µs a request; 80 % at 4000 req/s too.
     assert lines[6].startswith("| toko-api (SQLite") and lines[6].endswith("| 200 µs (200-200) |")
     assert lines[7].endswith("| 90 µs (80-100) |")
+
+
+def test_the_header_gives_the_cpu_probe_before_and_after() -> None:
+    meta = {"started": "now", "command": "python -m bench", "machine": "m", "git": "abc"}
+    before_only = meta | {"cpu_probe_before": {"median_us": 4.21, "min_us": 4.0, "max_us": 5.0}}
+    assert "CPU probe 4.2 µs per iteration" in markdown({"meta": before_only}).splitlines()[0]
+    both = before_only | {"cpu_probe_after": {"median_us": 6.04, "min_us": 6.0, "max_us": 7.0}}
+    assert "CPU probe 4.2 then 6.0 µs per iteration" in markdown({"meta": both}).splitlines()[0]
+    assert "CPU probe not run" in markdown({"meta": meta}).splitlines()[0]
