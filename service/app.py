@@ -68,9 +68,7 @@ def create_app(settings: Settings, notifier: Notifier | None = None) -> web.Appl
     app[METRICS] = metrics
     app[REQUESTS_FIRST] = requests_first
     app[HTTP_STATE] = HttpState()
-    app.on_response_prepare.append(_close_connections_when_draining)
-    app.on_response_prepare.append(json_router_errors)
-    app.on_response_prepare.append(close_if_body_withheld)
+    app.on_response_prepare.append(before_each_answer)
     app[NOTIFIER] = notifier or Notifier(None)
     app.add_routes(routes)
     app.cleanup_ctx.append(_store_ctx)
@@ -78,11 +76,12 @@ def create_app(settings: Settings, notifier: Notifier | None = None) -> web.Appl
     return app
 
 
-async def _close_connections_when_draining(
-    request: web.Request, response: web.StreamResponse
-) -> None:
+async def before_each_answer(request: web.Request, response: web.StreamResponse) -> None:
+    """The app's one on_response_prepare hook: each hook costs a coroutine per answer."""
     if request.app[HTTP_STATE].draining:
         close_after(response)
+    json_router_errors(request, response)
+    close_if_body_withheld(request, response)
 
 
 async def _store_ctx(app: web.Application) -> AsyncIterator[None]:

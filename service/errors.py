@@ -54,7 +54,7 @@ class Refused(Exception):
 
 
 def close_after(response: web.StreamResponse) -> None:
-    """Close the connection after ``response``, from an on_response_prepare hook.
+    """Close the connection after ``response``, from app.before_each_answer.
 
     aiohttp has chosen the Connection header by then: without saying so, the
     client would send its next request on a connection that closes after this
@@ -103,8 +103,8 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         return json_error(500, "internal error; it has been logged")
 
 
-async def json_router_errors(request: web.Request, response: web.StreamResponse) -> None:
-    """An on_response_prepare hook: aiohttp's own error answers, made JSON.
+def json_router_errors(request: web.Request, response: web.StreamResponse) -> None:
+    """Before an answer is sent (app.before_each_answer): aiohttp's own error answers, made JSON.
 
     aiohttp checks the Expect header before any middleware runs, so its 417
     for anything but 100-continue never reaches json_errors; every other

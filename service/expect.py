@@ -38,8 +38,9 @@ async def continue_if_awaited(request: web.Request) -> None:
     request[_WITHHELD] = False
 
 
-async def close_if_body_withheld(request: web.Request, response: web.StreamResponse) -> None:
-    """An on_response_prepare hook: an answer given instead of ``100 Continue`` closes.
+def close_if_body_withheld(request: web.Request, response: web.StreamResponse) -> None:
+    """Before an answer is sent (app.before_each_answer): one given instead of
+    ``100 Continue`` closes the connection.
 
     The client will not send the body now (RFC 9110, 10.1.1), so waiting for
     it, as aiohttp does for an unread body (up to 10 s), only holds the
