@@ -19,6 +19,7 @@ from service.check_config import (
     unit_environment,
 )
 from service.logs import setup_logging
+from service.server_imports import import_environment
 from service.settings import ConfigError, Settings, check_for_api
 from service.settings_checks import check_database_folder
 from service.settings_doc import help_epilog
@@ -132,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     stop_signals = StopSignals()
     # Imported here, not at the top: --version, --help and --check-config
     # answer without loading aiohttp and the rest of the server.
-    from service.runner import run
-    from service.systemd import SocketActivationError
+    with import_environment():
+        from service.runner import run
+        from service.systemd import SocketActivationError
 
     setup_logging(settings.log.level, journal=settings.log.journal, identifier="toko-api")
     log = logging.getLogger("toko")

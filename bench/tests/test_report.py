@@ -46,3 +46,38 @@ def test_the_header_gives_the_cpu_probe_before_and_after() -> None:
     both = before_only | {"cpu_probe_after": {"median_us": 6.04, "min_us": 6.0, "max_us": 7.0}}
     assert "CPU probe 4.2 then 6.0 µs per iteration" in markdown({"meta": both}).splitlines()[0]
     assert "CPU probe not run" in markdown({"meta": meta}).splitlines()[0]
+
+
+META = {"started": "now", "command": "python -m bench -s c", "machine": "m", "git": "abc"}
+
+
+def _startup(ready_ms: float, rss_mib: float) -> dict[str, Any]:
+    return {"ready_ms": spread([ready_ms]), "rss_mib": spread([rss_mib])}
+
+
+def test_startup_holds_only_the_package_style_install_to_the_targets() -> None:
+    packaged, dev = _startup(250.0, 41.0), _startup(400.0, 39.0)
+    results = {
+        "meta": META,
+        "startup": {
+            "config": {"starts": 1, "idle_s": 2.0},
+            "summary": packaged,
+            "installs": [
+                {"label": "installed as the package does", "summary": packaged},
+                {"label": "developers' venv (editable)", "summary": dev},
+            ],
+            "targets": {"ready_ms": 300.0, "rss_mib": 40.0},
+        },
+    }
+    lines = [line for line in markdown(results).splitlines() if line.startswith("| (c)")]
+    assert len(lines) == 4, lines
+    assert "250 ms" in lines[0] and "✅" in lines[0]
+    assert "41.0 MiB" in lines[1] and "❌" in lines[1]
+    assert all("✅" not in line and "❌" not in line for line in lines[2:])
+
+
+def test_startup_results_from_before_installs_still_render() -> None:
+    old = {"config": {"starts": 1, "idle_s": 2.0}, "summary": _startup(227, 43.4)}
+    results = {"meta": META, "startup": old}
+    lines = [line for line in markdown(results).splitlines() if line.startswith("| (c)")]
+    assert lines[0].startswith("| (c) start to READY=1 |") and "227 ms" in lines[0]
