@@ -457,9 +457,15 @@ def _run_startup(args: argparse.Namespace, toko: TokoCommand, out: Path) -> Any:
     installs = [("the toko-api given", toko)]
     if not (args.toko_ref or args.toko_cmd):
         installs = [("developers' venv (editable)", toko)]
-        packaged = deployed_toko(REPO, REPO / "build" / "bench-deployed-venv")
-        if packaged is not None:
-            installs.insert(0, ("installed as the package does", packaged))
+        try:
+            packaged = deployed_toko(REPO, REPO / "build" / "bench-deployed-venv")
+        except subprocess.CalledProcessError as exc:
+            # The developers' venv is still worth its figures; say why it is alone.
+            print(f"  cannot make the package-style venv ({exc}): this venv only", flush=True)
+            packaged = None
+        if packaged is None:
+            return scenario_startup.run_installs(cfg, installs, out, targeted=False)
+        installs.insert(0, ("installed as the package does", packaged))
     return scenario_startup.run_installs(cfg, installs, out)
 
 

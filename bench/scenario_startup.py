@@ -36,22 +36,28 @@ RSS_TARGET_MIB = 40.0
 
 
 def run_installs(
-    cfg: StartupConfig, installs: list[tuple[str, TokoCommand]], workdir: Path
+    cfg: StartupConfig,
+    installs: list[tuple[str, TokoCommand]],
+    workdir: Path,
+    targeted: bool = True,
 ) -> dict[str, Any]:
-    """``run`` for each (label, toko-api) in turn; the first is held to the targets."""
+    """``run`` for each (label, toko-api) in turn; the first is held to the targets
+    when ``targeted``."""
     measured = []
     for i, (label, toko) in enumerate(installs):
         print(f"  {label}: {' '.join(toko.argv)}", flush=True)
         one = run(replace(cfg, toko=toko), workdir / f"install-{i + 1}")
         measured.append({"label": label, "revision": toko.revision, **one})
-    first = measured[0]["summary"]
-    return {
-        **{k: v for k, v in measured[0].items() if k in ("config", "starts", "summary")},
-        "installs": measured,
-        "targets": {"ready_ms": READY_TARGET_MS, "rss_mib": RSS_TARGET_MIB},
-        "met": first["ready_ms"]["median"] <= READY_TARGET_MS
-        and first["rss_mib"]["median"] <= RSS_TARGET_MIB,
-    }
+    out = {k: v for k, v in measured[0].items() if k in ("config", "starts", "summary")}
+    out["installs"] = measured
+    if targeted:
+        first = measured[0]["summary"]
+        out["targets"] = {"ready_ms": READY_TARGET_MS, "rss_mib": RSS_TARGET_MIB}
+        out["met"] = (
+            first["ready_ms"]["median"] <= READY_TARGET_MS
+            and first["rss_mib"]["median"] <= RSS_TARGET_MIB
+        )
+    return out
 
 
 def run(cfg: StartupConfig, workdir: Path) -> dict[str, Any]:
