@@ -454,18 +454,18 @@ def _run_email(args: argparse.Namespace, toko: TokoCommand, out: Path) -> Any:
 
 def _run_startup(args: argparse.Namespace, toko: TokoCommand, out: Path) -> Any:
     cfg = scenario_startup.StartupConfig(toko=toko, starts=args.starts, idle_s=args.idle)
-    installs = [("the toko-api given", toko)]
-    if not (args.toko_ref or args.toko_cmd):
-        installs = [("developers' venv (editable)", toko)]
-        try:
-            packaged = deployed_toko(REPO, REPO / "build" / "bench-deployed-venv")
-        except subprocess.CalledProcessError as exc:
-            # The developers' venv is still worth its figures; say why it is alone.
-            print(f"  cannot make the package-style venv ({exc}): this venv only", flush=True)
-            packaged = None
-        if packaged is None:
-            return scenario_startup.run_installs(cfg, installs, out, targeted=False)
-        installs.insert(0, ("installed as the package does", packaged))
+    if args.toko_ref or args.toko_cmd:
+        return scenario_startup.run_installs(cfg, [("the toko-api given", toko)], out)
+    developers = ("developers' venv (editable)", toko)
+    try:
+        packaged = deployed_toko(REPO, REPO / "build" / "bench-deployed-venv")
+    except subprocess.CalledProcessError as exc:
+        # The developers' venv is still worth its figures; say why it is alone.
+        print(f"  cannot make the package-style venv ({exc}): this venv only", flush=True)
+        packaged = None
+    if packaged is None:
+        return scenario_startup.run_installs(cfg, [developers], out, targeted=False)
+    installs = [("installed as the package does", packaged), developers]
     return scenario_startup.run_installs(cfg, installs, out)
 
 

@@ -67,6 +67,7 @@ def test_startup_holds_only_the_package_style_install_to_the_targets() -> None:
                 {"label": "developers' venv (editable)", "summary": dev},
             ],
             "targets": {"ready_ms": 300.0, "rss_mib": 40.0},
+            "checks": {"ready_ms": True, "rss_mib": False},
         },
     }
     lines = [line for line in markdown(results).splitlines() if line.startswith("| (c)")]
