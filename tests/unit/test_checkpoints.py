@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from service.store.sqlite import SqliteStore
-from service.store.sqlite.checkpoints import LIMIT_BYTES
+from service.store.sqlite.checkpoints import FINISH_AT_PAGES, LIMIT_BYTES, Checkpointer
+from service.store.sqlite.transport import connect
 
 BLOB = os.urandom(64 * 1024)  # 16 pages of log a row
 
@@ -67,3 +68,51 @@ async def test_a_long_read_holds_the_log_and_once_it_ends_the_log_starts_over_cu
         assert check.execute("PRAGMA integrity_check").fetchone() == ("ok",)
     finally:
         check.close()
+
+
+def log_pages(conn: sqlite3.Connection) -> int:
+    """Frames in the log; a PASSIVE checkpoint with nothing to copy changes nothing."""
+    return int(conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1])
+
+
+def test_a_round_after_the_writers_finish_and_before_its_next_commit_leaves_it_nothing(
+    tmp_path: Path,
+) -> None:
+    # A round runs when a commit woke it and its pacing ended, so it can land
+    # between the writer's finish and the next commit. The log is copied then,
+    # and the next commit starts it over: another finish would be one more
+    # sync of the database file on the commit path, for nothing.
+    path = str(tmp_path / "toko.db")
+    writer = connect(path)
+    writer.execute("PRAGMA wal_autocheckpoint = 0")
+    writer.execute("CREATE TABLE ballast (b BLOB)")
+    thread_side = connect(path)
+    checkpointer = Checkpointer(lambda: thread_side)
+
+    def commit_pages(pages: int) -> None:
+        insert_blobs(writer, [BLOB] * (pages // 16 + 1))
+        writer.commit()
+        checkpointer.committed()
+
+    try:
+        commit_pages(FINISH_AT_PAGES)
+        checkpointer._round(thread_side)
+        checkpointer.between_batches(writer)
+        assert checkpointer.finishes == 1
+
+        checkpointer._round(thread_side)  # no commit since the finish
+        checkpointer.between_batches(writer)
+        assert checkpointer.finishes == 1
+        assert log_pages(thread_side) > FINISH_AT_PAGES  # not started over yet
+
+        # The next commit starts the log over; once it is long again, the
+        # writer finishes a round as before.
+        commit_pages(16)
+        assert log_pages(thread_side) < FINISH_AT_PAGES
+        commit_pages(FINISH_AT_PAGES)
+        checkpointer._round(thread_side)
+        checkpointer.between_batches(writer)
+        assert checkpointer.finishes == 2
+    finally:
+        writer.close()
+        thread_side.close()

@@ -61,6 +61,10 @@ class Checkpointer:
         self._stopped = threading.Event()
         # Set by a round that leaves the writer a little to finish.
         self._finish = False
+        # The writer's commits so far, and how many there were at its last
+        # finish: a round with none since has nothing to leave it.
+        self._commits = 0
+        self._commits_at_finish = -1
         self.rounds = 0
         self.finishes = 0
         # One each: a Throttle is not thread-safe.
@@ -88,6 +92,7 @@ class Checkpointer:
 
     # the writer's thread ------------------------------------------------------
     def committed(self) -> None:
+        self._commits += 1
         self._wake.set()
 
     def between_batches(self, conn: sqlite3.Connection) -> None:
@@ -96,6 +101,7 @@ class Checkpointer:
         if self._finish:
             self._finish = False
             self._checkpoint(conn, self._finish_failures)
+            self._commits_at_finish = self._commits
             self.finishes += 1
 
     # the checkpoint thread ------------------------------------------------------
@@ -106,15 +112,22 @@ class Checkpointer:
             if self._stopped.is_set():
                 return
             self._wake.clear()
-            pages, behind = self._checkpoint(self._conn, self._round_failures)
-            self.rounds += 1
-            # Even with nothing behind now, the writer's transaction under way
-            # began before the round ended and appends to the log: only a
-            # checkpoint between two of its transactions lets the log start over.
-            self._finish = pages >= LIMIT_PAGES or (
-                pages >= FINISH_AT_PAGES and behind <= FINISH_PAGES
-            )
+            self._round(self._conn)
             self._stopped.wait(ROUND_INTERVAL_S)  # pacing; a stop ends it
+
+    def _round(self, conn: sqlite3.Connection) -> None:
+        commits = self._commits
+        pages, behind = self._checkpoint(conn, self._round_failures)
+        self.rounds += 1
+        # Even with nothing behind now, the writer's transaction under way
+        # began before the round ended and appends to the log: only a
+        # checkpoint between two of its transactions lets the log start over.
+        # But with no commit since the writer's last finish there is no such
+        # transaction: that finish left the log copied, and the next commit
+        # starts it over (a round woken by an earlier commit can land there).
+        self._finish = commits != self._commits_at_finish and (
+            pages >= LIMIT_PAGES or (pages >= FINISH_AT_PAGES and behind <= FINISH_PAGES)
+        )
 
     @staticmethod
     def _checkpoint(conn: sqlite3.Connection, failures: Throttle) -> tuple[int, int]:
