@@ -66,6 +66,7 @@ def sent_after(notes: list[Notification], since: float) -> list[Notification]:
     return [n for n in notes if n.at >= since]
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(AWAY_SECONDS + 120)
 async def test_two_minutes_without_systemd_reading_serve_and_run_jobs_then_it_reads_the_latest(
     service_factory: ServiceFactory, smtp: SmtpServer
