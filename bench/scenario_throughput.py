@@ -19,7 +19,6 @@ the workers running jobs on the same event loop. It is not part of the target.
 from __future__ import annotations
 
 import contextlib
-import json
 import sqlite3
 import sys
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from bench.procs import (
 )
 from bench.sink import smtp_sink
 from bench.stats import Spread, fmt_spread, spread
-from bench.toko import Target, TokoCommand, running, toko_target
+from bench.toko import Target, TokoCommand, group_commit_factor, running, toko_target
 from bench.wrk import POST_PRODUK_LUA, WrkResult, run_wrk
 
 
@@ -60,27 +59,6 @@ def baseline_target() -> Target:
     port = free_port()
     cmd = [sys.executable, "-m", "bench.baseline_app", "--listen", f"127.0.0.1:{port}"]
     return Target("baseline", cmd, base_env(), port)
-
-
-def group_commit_factor(log: Path) -> dict[str, float] | None:
-    """COMMITS and WRITES from toko-api's "store closed" line: writes sharing one fsync."""
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        if '"store closed"' in line:
-            try:
-                rec = json.loads(line)
-                commits, writes = int(rec["COMMITS"]), int(rec["WRITES"])
-            except (ValueError, KeyError, TypeError):
-                return None
-            return {
-                "commits": commits,
-                "writes": writes,
-                "writes_per_commit": round(writes / commits, 2) if commits else 0.0,
-            }
-    return None
 
 
 def count_products(db: Path) -> int | None:

@@ -127,3 +127,24 @@ def running(
                 raise TimeoutError(f"{target.name} /healthz not 200 within {ready_timeout}s")
             time.sleep(0.05)
         yield proc
+
+
+def group_commit_factor(log: Path) -> dict[str, float] | None:
+    """COMMITS and WRITES from toko-api's "store closed" line: writes sharing one fsync."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if '"store closed"' in line:
+            try:
+                rec = json.loads(line)
+                commits, writes = int(rec["COMMITS"]), int(rec["WRITES"])
+            except (ValueError, KeyError, TypeError):
+                return None
+            return {
+                "commits": commits,
+                "writes": writes,
+                "writes_per_commit": round(writes / commits, 2) if commits else 0.0,
+            }
+    return None

@@ -22,7 +22,7 @@ from bench.disk_probes import (
 from bench.loadgen import Sample
 from bench.loadgen_split import merge
 from bench.rawhttp import parse_head
-from bench.scenario_disk import Quiet, evaluate, targets_for, window_stats
+from bench.scenario_disk import Quiet, _commits_text, evaluate, targets_for, window_stats
 
 MOUNTS = """\
 proc /proc proc rw,relatime 0 0
@@ -289,3 +289,10 @@ def test_a_real_thread_s_schedstat_counts_the_time_it_ran() -> None:
     assert os.getpid() in before and thread.native_id in during
     ran, waited = during[thread.native_id]
     assert ran >= 0.04 and waited >= 0.0
+
+
+def test_the_run_line_tells_the_writes_a_commit_when_toko_api_logged_them() -> None:
+    assert _commits_text({"commits": 80, "writes": 200, "writes_per_commit": 2.5}) == (
+        "2.50 writes a commit; "
+    )
+    assert _commits_text(None) == ""  # an older results file, or no "store closed" line

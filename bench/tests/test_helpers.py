@@ -9,9 +9,9 @@ import pytest
 
 from bench.loadgen import Sample, per_second
 from bench.scenario_backlog import payload_product_id
-from bench.scenario_throughput import group_commit_factor
 from bench.sink import read_record
 from bench.stats import fmt_spread, median, percentile, spread
+from bench.toko import group_commit_factor
 from bench.wrk import WrkParseError, duration_to_ms, parse_wrk_output
 
 WRK_TEXT = """\
