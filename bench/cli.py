@@ -231,7 +231,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=lambda v: tuple(v.split(",")),
         default=scenario_disk.BACKENDS,
         metavar="B,B",
-        help="sqlite and/or postgres (default: both)",
+        help="sqlite, postgres and/or memory, the in-memory baseline (default: all three)",
     )
     g.add_argument(
         "--disk-generators",

@@ -7,7 +7,11 @@ in (b)), its SQLite database on the machine's disk under the bench's workdir
 ``bench.loadgen``'s open loop offers each of ``rates`` for ``duration``
 seconds, on a fresh database each time. Then the same on PostgreSQL: a
 throwaway cluster on the same machine and disk (``tests.support.postgres``,
-fsync and synchronous_commit on), a fresh database per rate.
+fsync and synchronous_commit on), a fresh database per rate. Last, the
+in-memory baseline of (a) (``bench.baseline_app``: the same HTTP work, no
+store, no jobs, no workers) under the same loads: what this machine gives
+any aiohttp server in the same run, so a window the baseline misses too is
+the machine's, and the CPU a request shows what toko's store and queue add.
 
 Figures are given per ``window`` seconds of the schedule (a request belongs to
 the window it was scheduled in): requests, non-201s, p50/p99/max latency
@@ -62,10 +66,13 @@ from bench.loadgen_split import open_loop_split
 from bench.procs import FsyncMonitor, cpu_snapshot, cpu_usage, remove_sqlite, wait_for_quiet
 from bench.sink import smtp_sink
 from bench.stats import percentile
-from bench.toko import TokoCommand, group_commit_factor, running, toko_target
+from bench.toko import TokoCommand, baseline_target, group_commit_factor, running, toko_target
 from tests.support.postgres import PostgresCluster, acquire_cluster, fetch_sync, release_cluster
 
-BACKENDS = ("sqlite", "postgres")
+# memory: the in-memory baseline of (a), the same HTTP work with no store, no
+# jobs and no workers: the floor this machine gives an aiohttp server under
+# the same open loop, in the same run.
+BACKENDS = ("sqlite", "postgres", "memory")
 
 
 @dataclass(frozen=True)
@@ -285,6 +292,10 @@ class _Backend:
 
     def new_database(self, workdir: Path, label: str) -> tuple[str, Path, Path | None]:
         """(TOKO_DATABASE, folder for the fsync probe, SQLite file to watch or None)."""
+        if self.name == "memory":  # no database; the probe still samples the disk
+            folder = workdir / label
+            folder.mkdir(parents=True, exist_ok=True)
+            return "", folder, None
         if self.cluster is None:
             folder = workdir / label
             folder.mkdir(parents=True, exist_ok=True)
@@ -304,7 +315,9 @@ class _Backend:
             fetch_sync(self.cluster, self.cluster.url(), "CHECKPOINT")
         os.sync()
 
-    def products(self, database: str) -> int:
+    def products(self, database: str) -> int | None:
+        if self.name == "memory":
+            return None
         if self.cluster is None:
             with sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=30) as conn:
                 return int(conn.execute("SELECT count(*) FROM products").fetchone()[0])
@@ -325,16 +338,22 @@ def _measure(
     quiet = wait_for_quiet(cfg.quiet_below_pct, cfg.quiet_max_wait_s)
     record = workdir / f"{label}-smtp.tsv"
     record.unlink(missing_ok=True)
-    with smtp_sink(workdir, f"{label}-smtp", cfg.email_delay_s, record) as sink:
-        target = toko_target(
-            cfg.toko,
-            Path(database),
-            workers=cfg.workers,
-            smtp_url=sink.url,
-            extra_env=backend.env(),
-        )
-        target.env["TOKO_DATABASE"] = database  # a URL is not a Path
-        with running(target, workdir / f"{label}-toko-api.log") as api:
+    with contextlib.ExitStack() as stack:
+        if backend.name == "memory":
+            target = baseline_target()
+        else:
+            sink = stack.enter_context(
+                smtp_sink(workdir, f"{label}-smtp", cfg.email_delay_s, record)
+            )
+            target = toko_target(
+                cfg.toko,
+                Path(database),
+                workers=cfg.workers,
+                smtp_url=sink.url,
+                extra_env=backend.env(),
+            )
+            target.env["TOKO_DATABASE"] = database  # a URL is not a Path
+        with running(target, workdir / f"{label}-{target.name}.log") as api:
             print(
                 f"  {label}: offering {rate:g} req/s for {cfg.duration_s:g} s "
                 f"({int(rate * cfg.duration_s)} POSTs; {cfg.client} client, "
@@ -380,11 +399,13 @@ def _measure(
     summary.pop("per_second", None)  # the windows say it, and the JSON stays readable
     rows = backend.products(database)
     ok = int(summary["ok_201"])
+    during = tick_figures(ticks, 0.0, cfg.duration_s)
     out: dict[str, Any] = {
         "label": label,
         "backend": backend.name,
         "rate": rate,
         "database": database if backend.cluster is None else database.rsplit("/", 1)[1],
+        "server": target.name,
         "before": quiet,
         "load": summary,
         "windows": windows,
@@ -395,13 +416,15 @@ def _measure(
         },
         "cpu": cpu,
         # The same split as the windows', over the whole schedule.
-        "during_schedule": tick_figures(ticks, 0.0, cfg.duration_s),
+        "during_schedule": during,
+        # The server's CPU for each request offered, over the schedule.
+        "cpu_per_request_us": cpu_per_request_us(during.get("cpu_toko_pct"), rate),
         "stop": stop,
         # Writes sharing a commit, over toko-api's whole run: the commits'
         # count drives the writer's CPU as much as the writes' does.
         "group_commit": group_commit_factor(workdir / f"{label}-toko-api.log"),
         "rows_in_db": rows,
-        "durable": rows >= ok,
+        "durable": None if rows is None else rows >= ok,
         **verdict,
     }
     # Over the schedule only, as the windows (not the start-up, not the tail).
@@ -417,16 +440,23 @@ def _measure(
     return out
 
 
-def _cpu_text(f: dict[str, Any]) -> str:
+def cpu_per_request_us(cpu_pct: float | None, rate: float) -> float | None:
+    """Microseconds of CPU a request from a server's share of a core at ``rate``/s."""
+    if cpu_pct is None or rate <= 0:
+        return None
+    return round(cpu_pct / 100 / rate * 1e6, 1)
+
+
+def _cpu_text(f: dict[str, Any], server: str = "toko") -> str:
     pg = f.get("cpu_postgres_pct")
     return (
-        f"toko {_f(f.get('cpu_toko_pct'), '{:.0f}')}"
+        f"{server} {_f(f.get('cpu_toko_pct'), '{:.0f}')}"
         + (f", PostgreSQL {pg:.0f}" if pg else "")
         + f", bench {_f(f.get('cpu_bench_pct'), '{:.0f}')}"
         f", interrupts {_f(f.get('cpu_irq_pct'), '{:.0f}')}"
         f", others {_f(f.get('cpu_others_pct'), '{:.0f}')}"
         f", steal {_f(f.get('cpu_steal_pct'), '{:.0f}')}"
-        f"; toko's loop ran {_f(f.get('toko_loop_ran_pct'), '{:.0f}')}"
+        f"; {server}'s loop ran {_f(f.get('toko_loop_ran_pct'), '{:.0f}')}"
         f" and waited for a core {_f(f.get('toko_loop_waited_pct'), '{:.0f}')},"
         f" its other threads {_f(f.get('toko_threads_ran_pct'), '{:.0f}')}"
         f" and {_f(f.get('toko_threads_waited_pct'), '{:.0f}')}"
@@ -443,13 +473,16 @@ def _print_run(run: dict[str, Any], window_s: float) -> None:
     lat = run["load"].get("latency_ms", {})
     late = run["generator"]["lateness_ms"]
     during = run.get("during_schedule", {})
+    server = "toko" if run.get("server", "toko-api") == "toko-api" else run["server"]
+    rows = "" if run["rows_in_db"] is None else f"rows {run['rows_in_db']}; "
     print(
         f"  {run['label']}: {run['load']['ok_201']}/{run['load']['requests']} x 201 at "
         f"{run['load']['achieved_rate']:.0f} req/s; p50 {lat.get('p50', math.nan):.2f} ms, "
         f"p99 {lat.get('p99', math.nan):.2f} ms, max {lat.get('max', math.nan):.1f} ms; "
         f"generator late p99 {late.get('p99', math.nan):.2f} ms (CPU % per process "
-        f"{run['generator']['cpu_pct']}); CPU % of a core: {_cpu_text(during)}; "
-        f"{_commits_text(run.get('group_commit'))}rows {run['rows_in_db']}; stop {run['stop']}",
+        f"{run['generator']['cpu_pct']}); CPU % of a core: {_cpu_text(during, server)}; "
+        f"{_f(run.get('cpu_per_request_us'), '{:.0f}')} µs of {server}'s CPU a request; "
+        f"{_commits_text(run.get('group_commit'))}{rows}stop {run['stop']}",
         flush=True,
     )
     for line in text_windows(run, window_s):
@@ -580,9 +613,9 @@ WINDOW_HEADER = (
     "p99 from send ms",
     "client late p99 / max ms",
     "fsync probe p50 / max ms",
-    "CPU % toko / PG / others / steal",
-    "toko loop ran / waited for a core %",
-    "toko threads ran / waited %",
+    "CPU % server / PG / others / steal",
+    "server loop ran / waited for a core %",
+    "server threads ran / waited %",
     "WAL file max MiB",
     "WAL in use max MiB",
     "checkpointed MiB (restarts seen)",
@@ -643,12 +676,17 @@ def report_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         out.append(
             (
                 f"(g) disk, {r['label']}",
-                f"{r['rate']:g} req/s x {c['duration_s']:g} s open loop, {c['workers']} workers,"
-                f" {c['email_delay_s']:g} s emails: p50 · p99 · max · worst {c['window_s']:g} s"
-                " window p99",
+                f"{r['rate']:g} req/s x {c['duration_s']:g} s open loop, "
+                + (
+                    "in-memory baseline (no store, no jobs)"
+                    if r["backend"] == "memory"
+                    else f"{c['workers']} workers, {c['email_delay_s']:g} s emails"
+                )
+                + f": p50 · p99 · max · worst {c['window_s']:g} s window p99",
                 f"{lat.get('p50', math.nan):.2f} · {lat.get('p99', math.nan):.2f} · "
                 f"{lat.get('max', math.nan):.1f} · {_f(r['worst_window_p99_ms'])} ms"
                 f" (non-201 {r['non_201']}; client late p99 {late.get('p99', math.nan):.2f} ms;"
+                f" {_f(r.get('cpu_per_request_us'), '{:.0f}')} µs CPU a request;"
                 + (
                     f" WAL file max {during['wal_max_mib']:.1f} MiB;"
                     if "wal_max_mib" in during
@@ -672,6 +710,12 @@ def markdown(result: dict[str, Any]) -> list[str]:
     where = f"SQLite on {fs['sqlite']['fstype']} ({fs['sqlite']['device']})"
     if "postgres" in fs:
         where += f", PostgreSQL's data on {fs['postgres']['fstype']} ({fs['postgres']['device']})"
+    servers = (
+        " The memory runs are the in-memory aiohttp baseline of (a) (no store, no jobs),"
+        " under the same loads: the machine's floor, not counted."
+        if "memory" in c["backends"]
+        else ""
+    )
     out = [
         f"**(g) Disk: open-loop `POST /produk`** at {' and '.join(f'{r:g}' for r in c['rates'])}"
         f" req/s, {c['duration_s']:g} s each on a fresh database, every email taking"
@@ -686,13 +730,14 @@ def markdown(result: dict[str, Any]) -> list[str]:
         " were ready but waited for a core (their schedstat), and the WAL (file size,"
         " frames in use from toko.db-shm's index, bytes checkpoints copied back) are sampled"
         " every"
-        f" {c.get('sample_interval_s', c.get('wal_interval_s', 0.5)):g} s.",
+        f" {c.get('sample_interval_s', c.get('wal_interval_s', 0.5)):g} s." + servers,
         "",
         "| Run | requests | non-201 | p50 | p99 | max | worst window p99 | client late p99"
-        " | CPU % toko / PG / others / steal | writes a commit | WAL file max"
+        " | CPU % server / PG / others / steal | server CPU a request | writes a commit"
+        " | WAL file max"
         " | fsync probe p50 / max | p99 target per window | max ≤ "
         f"{c['max_target_ms']:g} ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in result["runs"]:
         lat = r["load"].get("latency_ms", {})
@@ -707,6 +752,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
             f" / {_f(d.get('cpu_postgres_pct') if r['backend'] != 'sqlite' else None, '{:.0f}')}"
             f" / {_f(d.get('cpu_others_pct'), '{:.0f}')}"
             f" / {_f(d.get('cpu_steal_pct'), '{:.0f}')}"
+            f" | {_f(r.get('cpu_per_request_us'), '{:.0f} µs')}"
             f" | {_f((r.get('group_commit') or {}).get('writes_per_commit'))}"
             f" | {_f(d.get('wal_max_mib'), '{:.1f} MiB')}"
             f" | {_f(probe.get('p50'))} / {_f(probe.get('max'), '{:.1f}')} ms"

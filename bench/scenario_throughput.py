@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,15 +27,20 @@ from typing import Any
 
 from bench.procs import (
     Managed,
-    base_env,
     cpu_snapshot,
     cpu_usage,
-    free_port,
     wait_for_quiet,
 )
 from bench.sink import smtp_sink
 from bench.stats import Spread, fmt_spread, spread
-from bench.toko import Target, TokoCommand, group_commit_factor, running, toko_target
+from bench.toko import (
+    Target,
+    TokoCommand,
+    baseline_target,
+    group_commit_factor,
+    running,
+    toko_target,
+)
 from bench.wrk import POST_PRODUK_LUA, WrkResult, run_wrk
 
 
@@ -53,12 +57,6 @@ class ThroughputConfig:
     quiet_below_pct: float = 40.0  # wait for other tenants to calm down first...
     quiet_max_wait_s: float = 15.0  # ...but not for longer than this
     db_dir: Path | None = None  # e.g. /dev/shm to take the disk out (diagnostic)
-
-
-def baseline_target() -> Target:
-    port = free_port()
-    cmd = [sys.executable, "-m", "bench.baseline_app", "--listen", f"127.0.0.1:{port}"]
-    return Target("baseline", cmd, base_env(), port)
 
 
 def count_products(db: Path) -> int | None:

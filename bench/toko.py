@@ -67,6 +67,13 @@ def toko_target(
     return Target("toko-api", toko.argv, env, port, toko.cwd)
 
 
+def baseline_target() -> Target:
+    """The in-memory aiohttp baseline (bench.baseline_app): toko's HTTP work, no store."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.baseline_app", "--listen", f"127.0.0.1:{port}"]
+    return Target("baseline", cmd, base_env(), port)
+
+
 def snapshot(ref: str, dest: Path) -> TokoCommand:
     """Extract ``service/`` and ``jobs/`` at git ``ref`` into ``dest`` (read-only on the repo).
 

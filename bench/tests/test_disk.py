@@ -22,7 +22,14 @@ from bench.disk_probes import (
 from bench.loadgen import Sample
 from bench.loadgen_split import merge
 from bench.rawhttp import parse_head
-from bench.scenario_disk import Quiet, _commits_text, evaluate, targets_for, window_stats
+from bench.scenario_disk import (
+    Quiet,
+    _commits_text,
+    cpu_per_request_us,
+    evaluate,
+    targets_for,
+    window_stats,
+)
 
 MOUNTS = """\
 proc /proc proc rw,relatime 0 0
@@ -296,3 +303,10 @@ def test_the_run_line_tells_the_writes_a_commit_when_toko_api_logged_them() -> N
         "2.50 writes a commit; "
     )
     assert _commits_text(None) == ""  # an older results file, or no "store closed" line
+
+
+def test_cpu_a_request_is_the_server_s_share_of_a_core_over_the_rate() -> None:
+    assert cpu_per_request_us(60.0, 1000.0) == 600.0  # 0.6 of a core for 1,000/s
+    assert cpu_per_request_us(21.5, 1000.0) == 215.0
+    assert cpu_per_request_us(None, 1000.0) is None  # no samples taken
+    assert cpu_per_request_us(50.0, 0.0) is None
