@@ -292,17 +292,15 @@ class _Backend:
 
     def new_database(self, workdir: Path, label: str) -> tuple[str, Path, Path | None]:
         """(TOKO_DATABASE, folder for the fsync probe, SQLite file to watch or None)."""
+        if self.cluster is not None:
+            return self.cluster.create_database("disk"), self.cluster.folder, None
+        folder = workdir / label
+        folder.mkdir(parents=True, exist_ok=True)
         if self.name == "memory":  # no database; the probe still samples the disk
-            folder = workdir / label
-            folder.mkdir(parents=True, exist_ok=True)
             return "", folder, None
-        if self.cluster is None:
-            folder = workdir / label
-            folder.mkdir(parents=True, exist_ok=True)
-            db = folder / "toko.db"
-            remove_sqlite(db)
-            return str(db), folder, db
-        return self.cluster.create_database("disk"), self.cluster.folder, None
+        db = folder / "toko.db"
+        remove_sqlite(db)
+        return str(db), folder, db
 
     def env(self) -> dict[str, str]:
         if self.cluster is None:
@@ -625,10 +623,10 @@ WINDOW_HEADER = (
 
 def window_cells(run: dict[str, Any]) -> list[tuple[str, ...]]:
     target = run["p99_target_ms"]
+    postgres = run["backend"] == "postgres"
     out: list[tuple[str, ...]] = []
     for w in run["windows"]:
         mark = "" if w["p99_ms"] is not None and w["p99_ms"] <= target else " ❌"
-        sqlite = "wal_max_mib" in w
         out.append(
             (
                 f"{w['from_s']:g}-{w['to_s']:g}",
@@ -641,7 +639,7 @@ def window_cells(run: dict[str, Any]) -> list[tuple[str, ...]]:
                 f"{_f(w['late_p99_ms'])} / {_f(w['late_max_ms'], '{:.1f}')}",
                 f"{_f(w['fsync_p50_ms'])} / {_f(w['fsync_max_ms'], '{:.1f}')}",
                 f"{_f(w.get('cpu_toko_pct'), '{:.0f}')} / "
-                f"{_f(w.get('cpu_postgres_pct') if not sqlite else None, '{:.0f}')} / "
+                f"{_f(w.get('cpu_postgres_pct') if postgres else None, '{:.0f}')} / "
                 f"{_f(w.get('cpu_others_pct'), '{:.0f}')} / "
                 f"{_f(w.get('cpu_steal_pct'), '{:.0f}')}",
                 f"{_f(w.get('toko_loop_ran_pct'), '{:.0f}')} / "
@@ -749,7 +747,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
             f" | {lat.get('max', math.nan):.1f} ms | {_f(r['worst_window_p99_ms'])} ms"
             f" | {r['generator']['lateness_ms'].get('p99', math.nan):.2f} ms"
             f" | {_f(d.get('cpu_toko_pct'), '{:.0f}')}"
-            f" / {_f(d.get('cpu_postgres_pct') if r['backend'] != 'sqlite' else None, '{:.0f}')}"
+            f" / {_f(d.get('cpu_postgres_pct') if r['backend'] == 'postgres' else None, '{:.0f}')}"
             f" / {_f(d.get('cpu_others_pct'), '{:.0f}')}"
             f" / {_f(d.get('cpu_steal_pct'), '{:.0f}')}"
             f" | {_f(r.get('cpu_per_request_us'), '{:.0f} µs')}"
