@@ -351,7 +351,8 @@ def _measure(
                 extra_env=backend.env(),
             )
             target.env["TOKO_DATABASE"] = database  # a URL is not a Path
-        with running(target, workdir / f"{label}-{target.name}.log") as api:
+        log_path = workdir / f"{label}-{target.name}.log"
+        with running(target, log_path) as api:
             print(
                 f"  {label}: offering {rate:g} req/s for {cfg.duration_s:g} s "
                 f"({int(rate * cfg.duration_s)} POSTs; {cfg.client} client, "
@@ -420,7 +421,7 @@ def _measure(
         "stop": stop,
         # Writes sharing a commit, over toko-api's whole run: the commits'
         # count drives the writer's CPU as much as the writes' does.
-        "group_commit": group_commit_factor(workdir / f"{label}-toko-api.log"),
+        "group_commit": group_commit_factor(log_path),
         "rows_in_db": rows,
         "durable": None if rows is None else rows >= ok,
         **verdict,
@@ -471,7 +472,7 @@ def _print_run(run: dict[str, Any], window_s: float) -> None:
     lat = run["load"].get("latency_ms", {})
     late = run["generator"]["lateness_ms"]
     during = run.get("during_schedule", {})
-    server = "toko" if run.get("server", "toko-api") == "toko-api" else run["server"]
+    server = "baseline" if run["backend"] == "memory" else "toko"
     rows = "" if run["rows_in_db"] is None else f"rows {run['rows_in_db']}; "
     print(
         f"  {run['label']}: {run['load']['ok_201']}/{run['load']['requests']} x 201 at "
