@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "measured through, fed by its "
             "smtp-source; (i) peers: FastAPI + procrastinate and aiohttp + SQLite + arq doing "
             "toko's job beside toko on PostgreSQL and SQLite: POST req/s over connections, CPU "
-            "per request, emails/s drained, with job workers running and parked; (j) email: a "
+            "per request, emails/s drained, with job workers running and parked, then the "
+            "in-memory baseline as the ceiling; (j) email: a "
             "backlog of product emails drained by toko-api on one core into smtp-sink."
         ),
         epilog=(
@@ -259,7 +260,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument(
         "--peers-stacks",
         type=lambda v: tuple(v.split(",")),
-        default=scenario_peers.STACKS,
+        default=scenario_peers.DEFAULT_STACKS,
         metavar="S,S",
         help="stacks to run (default: %(default)s)",
     )

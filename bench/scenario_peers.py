@@ -1,6 +1,7 @@
 """(i) Peer stacks doing toko's job: store a product, durably, with the job that emails it.
 
-Four stacks in one run, each a set of real processes on 127.0.0.1:
+Four stacks in one run, each a set of real processes on 127.0.0.1, and a
+reference:
 
 - **toko, PostgreSQL** and **toko, SQLite**: toko-api of the working tree
   (bench.toko), ``TOKO_WORKERS`` = ``workers``;
@@ -13,7 +14,12 @@ Four stacks in one run, each a set of real processes on 127.0.0.1:
   product committed in SQLite, then the job enqueued to Redis (not atomic);
   one ``arq`` worker process with ``max_jobs`` = ``workers``. Redis is
   Debian's, with its append-only file on (``appendfsync everysec``, Redis's
-  durable setting). Compared with toko on SQLite.
+  durable setting). Compared with toko on SQLite;
+- **the in-memory handler** (bench.baseline_app, scenario (a)'s): toko's HTTP
+  work, no store, no jobs. Not a peer and not counted: its req/s over a
+  peer's is the most that any server in one Python process answers here, so
+  a toko ÷ peer target above it is out of reach of toko's design, measured
+  in the same run. It runs parked only, having no workers.
 
 Each stack runs under two conditions: **running**, its job workers sending
 email during the POST load (one server, as deployed), and **parked**, its
@@ -58,16 +64,20 @@ from bench.procs import (
 from bench.redis_server import RedisServer, flush_redis, redis_server
 from bench.sink import smtp_sink
 from bench.stats import Spread, fmt_spread, spread
-from bench.toko import Target, TokoCommand, running, toko_target
+from bench.toko import Target, TokoCommand, baseline_target, running, toko_target
 from bench.wrk import POST_PRODUK_LUA, WrkResult, run_wrk
 
 TOKO_PG, FASTAPI, TOKO_SQLITE, ARQ = "toko-postgres", "fastapi", "toko-sqlite", "aiohttp-arq"
+MEMORY = "memory"
 STACKS = (TOKO_PG, FASTAPI, TOKO_SQLITE, ARQ)
+PEERS = (FASTAPI, ARQ)
+DEFAULT_STACKS = (*STACKS, MEMORY)
 NAMES = {
     TOKO_PG: "toko, PostgreSQL",
     FASTAPI: "FastAPI + procrastinate (PostgreSQL)",
     TOKO_SQLITE: "toko, SQLite",
     ARQ: "aiohttp + SQLite + arq (Redis), not atomic",
+    MEMORY: "in-memory handler, stores nothing (not counted)",
 }
 PAIRS = ((TOKO_PG, FASTAPI), (TOKO_SQLITE, ARQ))
 CONDITIONS = ("running", "parked")
@@ -91,6 +101,8 @@ DIFFERENCES = {
     "Debian default keeps jobs only in memory); arq's CLI log at warning "
     "(`--custom-log-dict`; its default logs two lines per job); one SMTP connection per "
     "email (`aiosmtplib.send`)",
+    MEMORY: "not a peer: scenario (a)'s handler, the same HTTP work with a list for a store "
+    "and no jobs, run parked only (it has no workers)",
 }
 
 
@@ -105,7 +117,7 @@ class PeersConfig:
     web_workers: int = 2  # uvicorn --workers: one per core
     pool_size: int = 8  # the FastAPI peer's psycopg pool, per uvicorn worker
     drain_s: float = 20.0
-    stacks: tuple[str, ...] = STACKS
+    stacks: tuple[str, ...] = DEFAULT_STACKS
     conditions: tuple[str, ...] = CONDITIONS
     threads: int = 1
     quiet_below_pct: float = 40.0
@@ -265,27 +277,53 @@ def _spread(values: Sequence[float | None]) -> Spread | None:
     return spread(kept) if kept else None
 
 
-def ratios(
-    runs: Sequence[Mapping[str, Any]], pairs: Sequence[tuple[str, str]] = PAIRS
-) -> dict[str, dict[str, Spread | None]]:
-    """ratios["toko÷peer"][condition]: req/s at REFERENCE connections, paired per repetition."""
+def _rps_at_reference(runs: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str, int], float]:
+    """req/s at REFERENCE connections by (stack, condition, repetition)."""
     rps: dict[tuple[str, str, int], float] = {}
     for r in runs:
         level = r["load"]["levels"].get(str(REFERENCE))
         if level and level.get("rps"):
             rps[(r["stack"], r["condition"], r["rep"])] = level["rps"]
-    out: dict[str, dict[str, Spread | None]] = {}
-    for toko, peer in pairs:
-        by_condition: dict[str, Spread | None] = {}
-        for condition in CONDITIONS:
-            values = [
-                v / rps[(peer, condition, rep)]
-                for (stack, cond, rep), v in rps.items()
-                if stack == toko and cond == condition and (peer, condition, rep) in rps
-            ]
-            by_condition[condition] = spread(values) if values else None
-        out[f"{toko}÷{peer}"] = by_condition
-    return out
+    return rps
+
+
+def _paired(
+    rps: Mapping[tuple[str, str, int], float], over: tuple[str, str], under: tuple[str, str]
+) -> Spread | None:
+    """``over`` ÷ ``under`` ((stack, condition) each), paired per repetition."""
+    values = [
+        v / rps[(*under, rep)]
+        for (stack, cond, rep), v in rps.items()
+        if (stack, cond) == over and (*under, rep) in rps
+    ]
+    return spread(values) if values else None
+
+
+def ratios(
+    runs: Sequence[Mapping[str, Any]], pairs: Sequence[tuple[str, str]] = PAIRS
+) -> dict[str, dict[str, Spread | None]]:
+    """ratios["toko÷peer"][condition]: req/s at REFERENCE connections, paired per repetition."""
+    rps = _rps_at_reference(runs)
+    return {
+        f"{toko}÷{peer}": {c: _paired(rps, (toko, c), (peer, c)) for c in CONDITIONS}
+        for toko, peer in pairs
+    }
+
+
+def ceilings(
+    runs: Sequence[Mapping[str, Any]], peers: Sequence[str] = PEERS
+) -> dict[str, dict[str, Spread | None]]:
+    """ceilings["memory÷peer"][condition]: the in-memory handler's req/s (parked: it has
+    no jobs) over the peer's under each condition, at REFERENCE connections, paired per
+    repetition. A toko ÷ peer target above it asks toko to beat a server that stores
+    nothing."""
+    rps = _rps_at_reference(runs)
+    if not any(stack == MEMORY for stack, _, _ in rps):
+        return {}
+    return {
+        f"{MEMORY}÷{peer}": {c: _paired(rps, (MEMORY, "parked"), (peer, c)) for c in CONDITIONS}
+        for peer in peers
+    }
 
 
 def verdicts(
@@ -319,6 +357,21 @@ def _fmt(s: Spread | None, fmt: str = "{:.0f}", unit: str = "") -> str:
     return fmt_spread(s, fmt, unit) if s else "n/a"
 
 
+def _ran_as(stack: str, condition: str) -> str:
+    return "no jobs" if stack == MEMORY else CONDITION_NAMES[condition]
+
+
+def _ceiling_rows(result: Mapping[str, Any]) -> list[tuple[str, str, Spread | None, float]]:
+    """(what, condition's name, ratio, the toko ÷ peer target it bounds) per ceiling."""
+    out = []
+    for pair, by_condition in result.get("ceilings", {}).items():
+        for condition, s in by_condition.items():
+            name = f"{CONDITION_NUMBERS[condition]} {CONDITION_NAMES[condition]}"
+            peer = NAMES.get(pair.split("÷")[1], pair)
+            out.append((f"in-memory handler ÷ {peer}", name, s, result["targets"][condition]))
+    return out
+
+
 def report_rows(result: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
     """Rows for bench.report: (scenario, measure, value, target)."""
     c = result["config"]
@@ -327,7 +380,7 @@ def report_rows(result: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
         for condition, f in by_condition.items():
             out.append(
                 (
-                    f"(i) {NAMES.get(stack, stack)}, {CONDITION_NAMES[condition]}",
+                    f"(i) {NAMES.get(stack, stack)}, {_ran_as(stack, condition)}",
                     f"req/s at 16 · 64 · peak; p50 · p99 · CPU/request at 16; drain emails/s"
                     f" ({c['duration_s']:g} s per level, {c['reps']} reps)",
                     f"{_fmt(f.get('rps@16'))} · {_fmt(f.get('rps@64'))} ·"
@@ -351,6 +404,16 @@ def report_rows(result: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
                 f"≥ {v['target']:g} {'✅ met' if v['met'] else '❌ missed'}",
             )
         )
+    for pair, condition, s, target in _ceiling_rows(result):
+        out.append(
+            (
+                f"(i) {pair}, the peer's {condition}",
+                f"req/s ratio at {REFERENCE} connections: the most one Python process answers"
+                " here (not counted)",
+                _fmt(s, "{:.2f}"),
+                f"beside toko's target ≥ {target:g}",
+            )
+        )
     return out
 
 
@@ -370,8 +433,9 @@ def markdown(result: Mapping[str, Any]) -> list[str]:
     for stack, by_condition in result["summary"].items():
         for condition, f in by_condition.items():
             loaded = _fmt(f.get("emails_per_s_while_loaded")) if condition == "running" else "none"
+            ran_as = "none" if stack == MEMORY else f"{CONDITION_NUMBERS[condition]} {condition}"
             out.append(
-                f"| {NAMES.get(stack, stack)} | {CONDITION_NUMBERS[condition]} {condition}"
+                f"| {NAMES.get(stack, stack)} | {ran_as}"
                 f" | {_fmt(f.get('rps@16'))}"
                 f" | {_fmt(f.get('rps@64'))} | {_fmt(f.get('peak_rps'))}"
                 f" ({'/'.join(f['peak_connections'])})"
@@ -390,6 +454,18 @@ def markdown(result: Mapping[str, Any]) -> list[str]:
             f" {CONDITION_NAMES[v['condition']]} | {_fmt(s, '{:.2f}')}"
             f" | ≥ {v['target']:g} {'✅ met' if v['met'] else '❌ missed'} |"
         )
+    ceiling_rows = _ceiling_rows(result)
+    if ceiling_rows:
+        out += [
+            "",
+            "| in-memory handler ÷ peer, req/s at 16 connections (not counted) | ratio"
+            " | toko's target |",
+            "|---|---:|---:|",
+        ]
+        out += [
+            f"| {p}, the peer's {c} | {_fmt(s, '{:.2f}')} | ≥ {t:g} |"
+            for p, c, s, t in ceiling_rows
+        ]
     out += ["", "Set-ups, where they differ from each project's documentation:", ""]
     out += [f"- {NAMES[s]}: {d}." for s, d in result["differences"].items()]
     return [*out, ""]
@@ -661,6 +737,21 @@ def _run_peer(env: _Env, stack_name: str, condition: str, name: str) -> dict[str
             return {"load": load, "drain": _drain(env, pids, sink, load["acknowledged"], started)}
 
 
+def _run_memory(env: _Env, stack_name: str, condition: str, name: str) -> dict[str, Any]:
+    target = baseline_target()
+    # The same idle sink as beside every stack, so that "others" means the same.
+    with (
+        postfix_sink(env.workdir, f"{name}-smtp") as sink,
+        running(target, env.workdir / f"{name}.log") as proc,
+    ):
+        load = _load(env, _Stack(target.base_url, [proc.pid]), None, sink.proc.pid, name)
+    nothing = {"backlog": 0, "delivered": 0, "complete": True, "emails_per_s": None}
+    return {"load": load, "drain": nothing}
+
+
+_RUNS = {TOKO_PG: _run_toko, TOKO_SQLITE: _run_toko, MEMORY: _run_memory}
+
+
 def _print(run: Mapping[str, Any]) -> None:
     levels = run["load"]["levels"]
     rates = "  ".join(f"@{c} {v['rps']:6.0f}" for c, v in levels.items())
@@ -700,7 +791,8 @@ def order(stacks: Sequence[str], conditions: Sequence[str], rep: int) -> list[tu
     k = rep % len(stacks) if stacks else 0
     rotated = [*stacks[k:], *stacks[:k]]
     conds = list(conditions) if rep % 2 == 0 else list(reversed(conditions))
-    return [(s, c) for c in conds for s in rotated]
+    # The in-memory handler has no workers to run: parked is its only condition.
+    return [(s, c) for c in conds for s in rotated if s != MEMORY or c == "parked"]
 
 
 def run(cfg: PeersConfig, workdir: Path) -> dict[str, Any]:
@@ -714,7 +806,7 @@ def run(cfg: PeersConfig, workdir: Path) -> dict[str, Any]:
             for stack_name, condition in order(cfg.stacks, cfg.conditions, rep):
                 name = f"r{rep + 1}-{stack_name}-{condition}"
                 quiet = wait_for_quiet(cfg.quiet_below_pct, cfg.quiet_max_wait_s)
-                go = _run_toko if stack_name in (TOKO_PG, TOKO_SQLITE) else _run_peer
+                go = _RUNS.get(stack_name, _run_peer)
                 result = go(env, stack_name, condition, name)
                 entry = {"stack": stack_name, "condition": condition, "rep": rep + 1, **result}
                 entry["before"] = quiet
@@ -747,6 +839,7 @@ def versions(packages: Sequence[str] = PEER_PACKAGES) -> dict[str, str]:
 
 def shape(cfg: PeersConfig, runs: list[dict[str, Any]]) -> dict[str, Any]:
     ratio_table = ratios(runs, [p for p in PAIRS if set(p) <= set(cfg.stacks)])
+    peers = [p for p in PEERS if p in cfg.stacks]
     lines = verdicts(ratio_table, cfg.targets)
     return {
         "config": {
@@ -766,6 +859,7 @@ def shape(cfg: PeersConfig, runs: list[dict[str, Any]]) -> dict[str, Any]:
         },
         "summary": summarize(runs),
         "ratios": ratio_table,
+        "ceilings": ceilings(runs, peers),
         "verdicts": lines,
         "targets": dict(cfg.targets),
         "met": bool(lines) and all(v["met"] for v in lines),

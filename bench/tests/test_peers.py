@@ -17,13 +17,16 @@ from bench.procs import REPO
 from bench.scenario_peers import (
     ARQ,
     CONDITIONS,
+    DEFAULT_STACKS,
     FASTAPI,
+    MEMORY,
     STACKS,
     TARGETS,
     TOKO_PG,
     TOKO_SQLITE,
     PeersConfig,
     _Cpu,
+    ceilings,
     cpu_between,
     drain_rate,
     markdown,
@@ -106,6 +109,13 @@ def test_order_rotates_stacks_and_alternates_conditions() -> None:
     assert len(first) == len(STACKS) * len(CONDITIONS)
 
 
+def test_the_in_memory_handler_runs_parked_only_it_has_no_workers() -> None:
+    for rep in (0, 1):
+        runs = order(DEFAULT_STACKS, CONDITIONS, rep)
+        assert [c for s, c in runs if s == MEMORY] == ["parked"]
+        assert len(runs) == len(STACKS) * len(CONDITIONS) + 1
+
+
 def _level(rps: float) -> dict[str, Any]:
     return {
         "rps": rps,
@@ -138,6 +148,7 @@ def _runs() -> list[dict[str, Any]]:
         for stack in STACKS:
             out.append(_run(stack, "running", rep, rates[stack] * rep, 100.0 * rep))
             out.append(_run(stack, "parked", rep, parked[stack], 200.0))
+        out.append(_run(MEMORY, "parked", rep, 12_000.0 * rep, 0.0))
     return out
 
 
@@ -154,6 +165,17 @@ def test_a_ratio_needs_both_stacks_of_the_repetition() -> None:
     runs = [r for r in _runs() if not (r["stack"] == FASTAPI and r["rep"] == 2)]
     running = ratios(runs)[f"{TOKO_PG}÷{FASTAPI}"]["running"]
     assert running is not None and running["n"] == 1 and running["median"] == 7.5
+
+
+def test_the_ceiling_is_the_handler_s_rate_over_each_peer_s_in_one_repetition() -> None:
+    table = ceilings(_runs())
+    assert set(table) == {f"{MEMORY}÷{FASTAPI}", f"{MEMORY}÷{ARQ}"}
+    arq = table[f"{MEMORY}÷{ARQ}"]
+    # rep 1: 12,000 / 1,800 and 12,000 / 2,000; rep 2: 24,000 / 3,600 and 24,000 / 2,000
+    assert arq["running"] is not None and arq["running"]["min"] == arq["running"]["max"]
+    assert round(arq["running"]["median"], 2) == 6.67
+    assert arq["parked"] is not None and arq["parked"]["median"] == 9.0
+    assert ceilings([r for r in _runs() if r["stack"] != MEMORY]) == {}
 
 
 def test_verdicts_hold_each_condition_to_its_target() -> None:
@@ -186,18 +208,23 @@ def _result() -> dict[str, Any]:
 def test_shape_is_json_and_fails_when_a_target_is_missed() -> None:
     result = json.loads(json.dumps(_result()))  # as --render reads it back
     assert result["met"] is False
-    assert len(result["verdicts"]) == 4
-    assert set(result["differences"]) == set(STACKS)
+    assert len(result["verdicts"]) == 4  # the handler is not counted
+    assert set(result["differences"]) == set(DEFAULT_STACKS)
+    assert set(result["ceilings"]) == {f"{MEMORY}÷{FASTAPI}", f"{MEMORY}÷{ARQ}"}
 
 
 def test_report_rows_print_pass_and_fail_lines() -> None:
     rows = report_rows(json.loads(json.dumps(_result())))
-    verdict_rows = [r for r in rows if "÷" in r[0]]
+    verdict_rows = [r for r in rows if r[3].endswith(("met", "missed"))]
     assert len(verdict_rows) == 4
     assert any(r[3] == "≥ 6 ✅ met" for r in verdict_rows)
     assert any(r[3] == "≥ 6 ❌ missed" for r in verdict_rows)
+    ceiling_rows = [r for r in rows if r[3].startswith("beside")]
+    assert len(ceiling_rows) == 4  # two peers, two conditions, none a pass or a fail
+    assert all("÷" in r[0] and "not counted" in r[1] for r in ceiling_rows)
     stack_rows = [r for r in rows if "÷" not in r[0]]
-    assert len(stack_rows) == len(STACKS) * len(CONDITIONS)
+    assert len(stack_rows) == len(STACKS) * len(CONDITIONS) + 1
+    assert any(r[0].endswith("(not counted), no jobs") for r in stack_rows)
     assert all(r[0].startswith("(i) ") for r in rows)
 
 
@@ -206,6 +233,10 @@ def test_markdown_says_which_peer_is_not_atomic_and_where_set_ups_differ() -> No
     assert "not atomic" in text
     assert "appendfsync everysec" in text
     assert "| toko, PostgreSQL ÷ FastAPI + procrastinate (PostgreSQL), (i) workers running" in text
+    assert (
+        "| in-memory handler ÷ aiohttp + SQLite + arq (Redis), not atomic,"
+        " the peer's (i) workers running | 6.67 (6.67-6.67) | ≥ 6 |"
+    ) in text
 
 
 def test_a_smoke_run_is_short() -> None:
