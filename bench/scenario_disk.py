@@ -34,7 +34,10 @@ The generator runs in ``generators`` processes sharing one schedule
 third less CPU than aiohttp's; see ``DiskConfig.generators``), the same for
 both backends. Before every run the bench syncs the page cache (and
 PostgreSQL checkpoints), so one run's leftover writes do not land in the
-next one's windows.
+next one's windows; for the same reason it vacuums and analyzes a finished
+PostgreSQL run's database, which the server's autovacuum would otherwise do
+a minute on, in the next run. The autovacuum runs that fall in a run's own
+windows are named in them, from the server's log (``bench.pg_autovacuum``).
 
 Targets (printed as pass/fail lines, per run): p99 within ``p99_targets_ms``
 (one per rate, the last repeated; by default issue 37's, by rate: see
@@ -54,6 +57,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench import pg_autovacuum
 from bench.disk_probes import (
     MEMORY_FILESYSTEMS,
     RunSampler,
@@ -263,6 +267,8 @@ def evaluate(
         "disturbed": {
             str(w["from_s"]): quiet.disturbed_by(w) for w in windows if quiet.disturbed_by(w)
         },
+        # PostgreSQL's own work, not the machine's: named, never discounted.
+        "autovacuum": {str(w["from_s"]): w["autovacuum"] for w in windows if w.get("autovacuum")},
         "generator_kept_up": worst_late <= lateness_limit_ms,
         "worst_window_lateness_p99_ms": worst_late if lates else None,
         "lateness_limit_ms": lateness_limit_ms,
@@ -326,6 +332,12 @@ class _Backend:
             return None
         return int((self.cluster.datadir / "postmaster.pid").read_text().split()[0])
 
+    def tidy(self, database: str) -> None:
+        """Do now what autovacuum would do to a finished run's tables a minute
+        on, in the next run's windows (see bench.pg_autovacuum)."""
+        if self.cluster is not None:
+            fetch_sync(self.cluster, database, "VACUUM (ANALYZE)")
+
 
 def _measure(
     cfg: DiskConfig, backend: _Backend, rate: float, p99_target: float, workdir: Path
@@ -360,6 +372,7 @@ def _measure(
                 flush=True,
             )
             cpu0 = cpu_snapshot(api.pid)
+            log_at = pg_autovacuum.log_size(backend.cluster) if backend.cluster else 0
             sampler = RunSampler(
                 cfg.sample_interval_s,
                 toko_pid=api.pid,
@@ -388,6 +401,16 @@ def _measure(
     windows = window_stats(
         load.samples, window_s=cfg.window_s, duration_s=cfg.duration_s, ticks=ticks, fsync=fsync
     )
+    if backend.cluster is not None:
+        vacuums = pg_autovacuum.by_window(
+            pg_autovacuum.runs_in_log(backend.cluster.logfile, log_at),
+            t0=t0 + time.time() - time.monotonic(),
+            window_s=cfg.window_s,
+            count=len(windows),
+            database=database.rsplit("/", 1)[1],
+        )
+        for w, did in zip(windows, vacuums, strict=True):
+            w["autovacuum"] = did
     verdict = evaluate(
         windows,
         p99_target_ms=p99_target,
@@ -397,6 +420,7 @@ def _measure(
     summary = load.summary()
     summary.pop("per_second", None)  # the windows say it, and the JSON stays readable
     rows = backend.products(database)
+    backend.tidy(database)
     ok = int(summary["ok_201"])
     during = tick_figures(ticks, 0.0, cfg.duration_s)
     out: dict[str, Any] = {
@@ -510,6 +534,7 @@ def run(cfg: DiskConfig, workdir: Path) -> dict[str, Any]:
             if name == "postgres":
                 cluster = acquire_cluster()
                 stack.callback(release_cluster)
+                pg_autovacuum.log_every_run(cluster)
                 filesystems["postgres"] = _on_disk(cluster.datadir, "PostgreSQL's data")
                 print(
                     f"  PostgreSQL data under {filesystems['postgres']['path']}: "
@@ -580,6 +605,7 @@ def verdict_lines(run: dict[str, Any]) -> list[str]:
         f"{'ok  ' if run['generator_kept_up'] else 'WARN'} {run['label']}: generator lateness "
         f"p99 ≤ {run['lateness_limit_ms']:g} ms in every window (worst {_f(late)} ms)",
         _quiet_line(run),
+        *_autovacuum_lines(run),
     ]
 
 
@@ -602,6 +628,17 @@ def _quiet_line(run: dict[str, Any]) -> str:
     )
 
 
+def _autovacuum_lines(run: dict[str, Any]) -> list[str]:
+    if run["backend"] != "postgres":
+        return []
+    over = {float(t) for t in run["windows_over_p99_target"]}
+    ran = [
+        f"{float(t):g} s ({', '.join(did)}{', over target' if float(t) in over else ''})"
+        for t, did in run.get("autovacuum", {}).items()
+    ]
+    return [f"info {run['label']}: the server's autovacuum ran in {'; '.join(ran) or 'no window'}"]
+
+
 WINDOW_HEADER = (
     "window (s)",
     "requests",
@@ -619,6 +656,7 @@ WINDOW_HEADER = (
     "WAL in use max MiB",
     "checkpointed MiB (restarts seen)",
     "WAL file MiB per sample",
+    "PG autovacuum",
 )
 
 
@@ -653,6 +691,7 @@ def window_cells(run: dict[str, Any]) -> list[tuple[str, ...]]:
                 if "wal_restarts" in w
                 else "—",
                 " ".join(f"{v:g}" for v in w.get("wal_mib", [])) or "—",
+                ", ".join(w.get("autovacuum", [])) or "—",
             )
         )
     return out
