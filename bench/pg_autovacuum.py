@@ -4,13 +4,13 @@ Under (g)'s steady inserts, the server's autovacuum visits each new table
 once its inserts pass the insert threshold: about a minute after a database
 is made it vacuums and analyzes ``jobs`` and ``products``, some 0.5 s of
 reading, dirtying and writing every page of both, on the two cores and the
-disk toko-api and the server share. On 2026-12-07 the windows those runs fell
-in had a p99 of 15 to 30 ms against 4 to 5 ms in the others, and with autovacuum
-off no window went over 7 ms; so the bench names them rather than leave them
-a mystery. The server logs each run (``log_autovacuum_min_duration = 0``,
-set on the throwaway cluster by ``log_every_run``) when it ends, with how
-long it took; ``runs_in_log`` reads them back and ``by_window`` lays them on
-the windows of the schedule.
+disk toko-api and the server share, and the windows it falls in are often
+the run's slowest (figures in docs/benchmarks.md, "The disk under steady
+load"). So the bench names them rather than leave them a mystery. The
+server logs each run (``log_autovacuum_min_duration = 0``, set on the
+throwaway cluster by ``log_every_run``) when it ends, with how long it took;
+``runs_in_log`` reads them back and ``by_window`` lays them on the windows
+of the schedule.
 """
 
 from __future__ import annotations
@@ -60,10 +60,7 @@ def log_every_run(cluster: PostgresCluster) -> None:
 
 def log_size(cluster: PostgresCluster) -> int:
     """Where the server's log ends now: pass it to ``runs_in_log`` after the run."""
-    try:
-        return cluster.logfile.stat().st_size
-    except FileNotFoundError:
-        return 0
+    return cluster.logfile.stat().st_size
 
 
 def runs_in_log(logfile: Path, offset: int = 0) -> list[Run]:
@@ -76,21 +73,20 @@ def runs_in_log(logfile: Path, offset: int = 0) -> list[Run]:
 def parse(text: str) -> list[Run]:
     """The autovacuum runs a server log tells of, each from its end and elapsed time."""
     runs: list[Run] = []
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        head = _HEAD.match(line)
-        if head is None:
-            continue
-        stamp, what, table = head.groups()
-        end = dt.datetime.fromisoformat(stamp).replace(tzinfo=dt.UTC).timestamp()
-        elapsed = 0.0
-        for detail in lines[i + 1 :]:
-            if not detail.startswith("\t"):
-                break
-            found = _ELAPSED.search(detail)
+    head: re.Match[str] | None = None
+    elapsed = 0.0
+    # One pass: a run is complete when the next unindented line comes.
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("\t"):
+            found = _ELAPSED.search(line)
             if found:
                 elapsed = float(found.group(1))
-        runs.append(Run(what, table, end - elapsed, end))
+            continue
+        if head is not None:
+            stamp, what, table = head.groups()
+            end = dt.datetime.fromisoformat(stamp).replace(tzinfo=dt.UTC).timestamp()
+            runs.append(Run(what, table, end - elapsed, end))
+        head, elapsed = _HEAD.match(line), 0.0
     return runs
 
 
