@@ -415,6 +415,8 @@ def _run_disk(args: argparse.Namespace, toko: TokoCommand, out: Path) -> Any:
         overrides["rates"] = args.disk_rates
     if args.disk_duration:
         overrides["duration_s"] = args.disk_duration
+    # The targets are for toko-api as the package installs it, as in (c).
+    toko = _package_style(args) or toko
     if args.smoke:
         cfg = scenario_disk.DiskConfig.smoke(toko, **overrides)
     else:
@@ -459,16 +461,24 @@ def _run_startup(args: argparse.Namespace, toko: TokoCommand, out: Path) -> Any:
     if args.toko_ref or args.toko_cmd:
         return scenario_startup.run_installs(cfg, [("the toko-api given", toko)], out)
     developers = ("developers' venv (editable)", toko)
-    try:
-        packaged = deployed_toko(REPO, REPO / "build" / "bench-deployed-venv")
-    except subprocess.CalledProcessError as exc:
-        # The developers' venv is still worth its figures; say why it is alone.
-        print(f"  cannot make the package-style venv ({exc}): this venv only", flush=True)
-        packaged = None
+    packaged = _package_style(args)
     if packaged is None:
         return scenario_startup.run_installs(cfg, [developers], out, targeted=False)
     installs = [("installed as the package does", packaged), developers]
     return scenario_startup.run_installs(cfg, installs, out)
+
+
+def _package_style(args: argparse.Namespace) -> TokoCommand | None:
+    """toko-api installed as the Debian package installs it (bench.deployed), unless
+    --toko-ref or --toko-cmd named what to measure; None where it cannot be made."""
+    if args.toko_ref or args.toko_cmd:
+        return None
+    try:
+        return deployed_toko(REPO, REPO / "build" / "bench-deployed-venv")
+    except subprocess.CalledProcessError as exc:
+        # The developers' venv is still worth its figures; say why it is alone.
+        print(f"  cannot make the package-style venv ({exc}): this venv only", flush=True)
+        return None
 
 
 RUNNERS = {

@@ -1,12 +1,14 @@
-"""toko-api installed the way the Debian package installs it, for scenario (c).
+"""toko-api installed the way the Debian package installs it, for scenarios (c) and (g).
 
 The package (debian/rules) makes a venv with the system's ``python3``,
 installs the hash-locked requirements into it and then toko from a wheel.
-The developers' venv differs in two ways that start-up and memory feel: its
-interpreter is whichever ``python3`` comes first on PATH (a locally built
-one, here), and toko is an editable install, whose import hook every
-import passes through. So (c) also measures a venv made the package's way,
-from the working tree, and holds that one to the targets.
+The developers' venv differs in two ways: its interpreter is whichever
+``python3`` comes first on PATH (a locally built one, here, compiled
+without the profile-guided and link-time optimisation of Debian's), and toko
+is an editable install, whose import hook every import passes through.
+Start-up and memory (c) feel both, CPU a request (g) the first. So those
+scenarios measure a venv made the package's way, from the working tree, and
+hold that one to the targets.
 
 The venv is kept in ``build/`` and remade when the locked requirements or
 the system's python3 change; toko itself is reinstalled on every run.
@@ -78,5 +80,7 @@ def deployed_toko(repo: Path, venv: Path) -> TokoCommand | None:
         text=True,
     ).stdout.strip()
     return TokoCommand(
-        [str(venv / "bin" / "toko-api")], revision=f"working tree, package-style (python {version})"
+        [str(venv / "bin" / "toko-api")],
+        revision=f"working tree, package-style (python {version})",
+        python=str(venv / "bin" / "python"),
     )

@@ -350,7 +350,7 @@ def _measure(
     record.unlink(missing_ok=True)
     with contextlib.ExitStack() as stack:
         if backend.name == "memory":
-            target = baseline_target()
+            target = baseline_target(cfg.toko.python)
         else:
             sink = stack.enter_context(
                 smtp_sink(workdir, f"{label}-smtp", cfg.email_delay_s, record)
@@ -520,6 +520,7 @@ def run(cfg: DiskConfig, workdir: Path) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown backend(s) {sorted(unknown)}; choose from {BACKENDS}")
     filesystems = {"sqlite": _on_disk(workdir, "the SQLite workdir")}
+    print(f"  toko-api: {' '.join(cfg.toko.argv)} ({cfg.toko.revision})", flush=True)
     print(
         f"  SQLite databases under {filesystems['sqlite']['path']}: "
         f"{filesystems['sqlite']['fstype']} on {filesystems['sqlite']['device']} "
@@ -549,6 +550,7 @@ def run(cfg: DiskConfig, workdir: Path) -> dict[str, Any]:
     sqlite_runs = [r for r in runs if r["backend"] == "sqlite"]
     return {
         "config": {
+            "toko": {"argv": cfg.toko.argv, "revision": cfg.toko.revision},
             "rates": list(cfg.rates),
             "duration_s": cfg.duration_s,
             "window_s": cfg.window_s,

@@ -24,6 +24,8 @@ class TokoCommand:
     argv: list[str]
     cwd: Path | None = None  # a snapshot's directory, so ``python -m service`` imports it
     revision: str = "working tree"
+    # The interpreter toko-api runs on: a baseline measured beside it runs on it too.
+    python: str = sys.executable
 
 
 @dataclass(frozen=True)
@@ -67,11 +69,14 @@ def toko_target(
     return Target("toko-api", toko.argv, env, port, toko.cwd)
 
 
-def baseline_target() -> Target:
-    """The in-memory aiohttp baseline (bench.baseline_app): toko's HTTP work, no store."""
+def baseline_target(python: str = sys.executable) -> Target:
+    """The in-memory aiohttp baseline (bench.baseline_app): toko's HTTP work, no store.
+
+    ``python`` needs only aiohttp, so the interpreter of a package-style venv will do.
+    """
     port = free_port()
-    cmd = [sys.executable, "-m", "bench.baseline_app", "--listen", f"127.0.0.1:{port}"]
-    return Target("baseline", cmd, base_env(), port)
+    cmd = [python, "-m", "bench.baseline_app", "--listen", f"127.0.0.1:{port}"]
+    return Target("baseline", cmd, base_env(), port, REPO)
 
 
 def snapshot(ref: str, dest: Path) -> TokoCommand:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from bench import cli
 from bench.disk_probes import (
     Tick,
     WalIndex,
@@ -21,6 +22,7 @@ from bench.disk_probes import (
 )
 from bench.loadgen import Sample
 from bench.loadgen_split import merge
+from bench.procs import REPO
 from bench.rawhttp import parse_head
 from bench.scenario_disk import (
     Quiet,
@@ -30,6 +32,7 @@ from bench.scenario_disk import (
     targets_for,
     window_stats,
 )
+from bench.toko import baseline_target
 
 MOUNTS = """\
 proc /proc proc rw,relatime 0 0
@@ -310,3 +313,17 @@ def test_cpu_a_request_is_the_server_s_share_of_a_core_over_the_rate() -> None:
     assert cpu_per_request_us(21.5, 1000.0) == 215.0
     assert cpu_per_request_us(None, 1000.0) is None  # no samples taken
     assert cpu_per_request_us(50.0, 0.0) is None
+
+
+def test_the_in_memory_handler_runs_on_the_interpreter_of_the_toko_measured() -> None:
+    # (g) measures the package-style toko-api; its floor must be that interpreter's.
+    target = baseline_target("/opt/some-venv/bin/python")
+    assert target.cmd[:3] == ["/opt/some-venv/bin/python", "-m", "bench.baseline_app"]
+    assert target.cwd == REPO  # where ``-m bench.baseline_app`` is found
+
+
+def test_a_toko_named_on_the_command_line_is_measured_as_given() -> None:
+    # No package-style venv is made (or looked for) when --toko-cmd or --toko-ref chose.
+    for argv in (["--toko-cmd", "/bin/true"], ["--toko-ref", "HEAD"]):
+        args = cli.parse_args(["-s", "g", *argv])
+        assert cli._package_style(args) is None
