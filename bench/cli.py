@@ -256,6 +256,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "issue's, 5 ms up to 1,000/s and 20 ms above)",
     )
     g.add_argument("--disk-max-target", type=float, default=100.0, help="ms no request may exceed")
+    g.add_argument(
+        "--disk-trace",
+        action="store_true",
+        help="trace the machine with perf across each run and say, for every request of "
+        "10 ms or more, whether the disk or a wait for a core held it (needs root and perf)",
+    )
     g = p.add_argument_group("(i) peers")
     g.add_argument(
         "--peers-stacks",
@@ -409,6 +415,7 @@ def _run_disk(args: argparse.Namespace, toko: TokoCommand, out: Path) -> Any:
         "client": args.disk_client,
         "p99_targets_ms": args.disk_p99_targets,
         "max_target_ms": args.disk_max_target,
+        "trace": args.disk_trace,
         **_quiet(args),
     }
     if args.disk_rates:

@@ -69,6 +69,7 @@ from bench.loadgen import Sample
 from bench.loadgen_split import open_loop_split
 from bench.procs import FsyncMonitor, cpu_snapshot, cpu_usage, remove_sqlite, wait_for_quiet
 from bench.sink import smtp_sink
+from bench.stall_trace import KernelTrace, explain_run, stall_lines
 from bench.stats import percentile
 from bench.toko import TokoCommand, baseline_target, group_commit_factor, running, toko_target
 from tests.support.postgres import PostgresCluster, acquire_cluster, fetch_sync, release_cluster
@@ -103,6 +104,9 @@ class DiskConfig:
     sample_interval_s: float = 0.5  # WAL and CPU
     quiet_below_pct: float = 40.0
     quiet_max_wait_s: float = 30.0
+    # Trace the machine with perf across each schedule and explain every stall
+    # (bench.stall_trace); the trace is kept in the workdir when a run had one.
+    trace: bool = False
 
     @staticmethod
     def smoke(toko: TokoCommand, **overrides: Any) -> DiskConfig:
@@ -213,8 +217,10 @@ class Quiet:
     """When a window counts as undisturbed by the rest of the machine: the
     hypervisor took less than ``steal_pct`` of a core from this VM, other
     processes less than ``others_pct``, and the fsync probe beside the
-    database never took ``probe_ms`` or more (its p50 is about 0.4 ms here).
-    A diagnostic beside the targets, which hold for every window."""
+    database never took ``probe_ms`` or more (its p50 is about 0.4 ms here),
+    nor, in a traced run, did a stall the trace puts down to the disk (a
+    single slow request the probe, every 50 ms, misses). A diagnostic beside
+    the targets, which hold for every window."""
 
     steal_pct: float = 5.0
     others_pct: float = 10.0
@@ -226,9 +232,22 @@ class Quiet:
             why.append("steal")
         if (w.get("cpu_others_pct") or 0.0) >= self.others_pct:
             why.append("others")
-        if (w.get("fsync_max_ms") or 0.0) >= self.probe_ms:
+        if (w.get("fsync_max_ms") or 0.0) >= self.probe_ms or w.get("stalls", {}).get("disk"):
             why.append("disk")
         return why
+
+
+def _stalls_by_window(
+    windows: list[dict[str, Any]], stalls: Sequence[dict[str, Any]], window_s: float
+) -> None:
+    """Each window's traced stalls by cause (bench.stall_trace), as ``stalls``."""
+    for w in windows:
+        w["stalls"] = {}
+    for stall in stalls:
+        n = math.floor(stall["at_s"] / window_s)
+        if 0 <= n < len(windows):
+            causes = windows[n]["stalls"]
+            causes[stall["cause"]] = causes.get(stall["cause"], 0) + 1
 
 
 def evaluate(
@@ -379,7 +398,9 @@ def _measure(
                 database=sqlite_file,
                 postgres_pid=backend.server_pid(),
             )
-            with FsyncMonitor(probe_dir) as fsyncs, sampler:
+            trace_path = workdir / f"{label}.perf.data"
+            tracing = KernelTrace(trace_path) if cfg.trace else contextlib.nullcontext()
+            with FsyncMonitor(probe_dir) as fsyncs, sampler, tracing:
                 split = open_loop_split(
                     target.base_url + "/produk",
                     rate=rate,
@@ -411,6 +432,11 @@ def _measure(
         )
         for w, did in zip(windows, vacuums, strict=True):
             w["autovacuum"] = did
+    stalls = explain_run(trace_path, load.samples, t0, api.pid) if cfg.trace else None
+    if stalls is not None:
+        _stalls_by_window(windows, stalls, cfg.window_s)
+        if not stalls:
+            trace_path.unlink(missing_ok=True)
     verdict = evaluate(
         windows,
         p99_target_ms=p99_target,
@@ -450,6 +476,8 @@ def _measure(
         "durable": None if rows is None else rows >= ok,
         **verdict,
     }
+    if stalls is not None:
+        out["stalls"] = stalls
     # Over the schedule only, as the windows (not the start-up, not the tail).
     fsync = [(at, ms) for at, ms in fsync if 0 <= at < cfg.duration_s]
     if fsync:
@@ -512,6 +540,9 @@ def _print_run(run: dict[str, Any], window_s: float) -> None:
         print("    " + line, flush=True)
     for line in verdict_lines(run):
         print("  " + line, flush=True)
+    stalls = stall_lines(run["stalls"]) if "stalls" in run else []
+    for n, line in enumerate(stalls):
+        print(f"  info {run['label']}: {line}" if n == 0 else f"    {line}", flush=True)
 
 
 def run(cfg: DiskConfig, workdir: Path) -> dict[str, Any]:
@@ -564,6 +595,7 @@ def run(cfg: DiskConfig, workdir: Path) -> dict[str, Any]:
             "max_target_ms": cfg.max_target_ms,
             "lateness_limit_ms": cfg.lateness_limit_ms,
             "sample_interval_s": cfg.sample_interval_s,
+            "trace": cfg.trace,
             "load_generator": (
                 f"bench.loadgen open loop, {cfg.client} client, in {cfg.generators} spawned"
                 " process(es) sharing one schedule (bench.loadgen_split)"
@@ -733,7 +765,8 @@ def report_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                     else ""
                 )
                 + f" fsync probe max {r.get('fsync_probe_ms', {}).get('max', math.nan):.1f} ms;"
-                f" {r.get('quiet_windows', 0)} of {len(r['windows'])} windows undisturbed,"
+                + (f" traced: {stall_lines(r['stalls'])[0]};" if "stalls" in r else "")
+                + f" {r.get('quiet_windows', 0)} of {len(r['windows'])} windows undisturbed,"
                 f" {len(r.get('quiet_windows_over_p99_target', []))} of those over the p99 target)",
                 f"p99 ≤ {r['p99_target_ms']:g} ms per window"
                 f" {_yes(r['checks']['p99_every_window'])}, max ≤ {r['max_target_ms']:g} ms"

@@ -27,6 +27,7 @@ from bench.rawhttp import parse_head
 from bench.scenario_disk import (
     Quiet,
     _commits_text,
+    _stalls_by_window,
     cpu_per_request_us,
     evaluate,
     targets_for,
@@ -205,6 +206,27 @@ def test_windows_the_machine_disturbed_are_told_apart_and_still_count() -> None:
         quiet=Quiet(steal_pct=50, probe_ms=200),
     )
     assert calm["quiet_windows"] == 3 and calm["disturbed"] == {}
+
+
+def test_a_window_with_a_traced_disk_stall_counts_as_disturbed() -> None:
+    samples = [_sample(i, i / 100, 1.0) for i in range(1500)]
+    for i in (*range(500, 520), *range(1000, 1020)):  # windows 5-10 s and 10-15 s miss
+        samples[i] = _sample(i, i / 100, 30.0)
+    windows = window_stats(samples, window_s=5, duration_s=15)
+    stalls = [
+        {"at_s": 5.0, "cause": "disk"},  # the probe missed it: a write held 30 ms
+        {"at_s": 10.0, "cause": "cpu"},
+        {"at_s": 12.5, "cause": "disk"},
+        {"at_s": 12.6, "cause": "disk"},
+        {"at_s": 15.2, "cause": "disk"},  # in the tail, after the last window
+    ]
+    _stalls_by_window(windows, stalls, 5)
+    assert [w["stalls"] for w in windows] == [{}, {"disk": 1}, {"cpu": 1, "disk": 2}]
+    verdict = evaluate(windows, p99_target_ms=5, max_target_ms=100, lateness_limit_ms=5)
+    assert verdict["disturbed"] == {"5": ["disk"], "10": ["disk"]}
+    windows[2]["stalls"] = {"cpu": 1}  # a wait for a core is toko's to bear: it counts
+    verdict = evaluate(windows, p99_target_ms=5, max_target_ms=100, lateness_limit_ms=5)
+    assert verdict["quiet_windows_over_p99_target"] == [10]
 
 
 def test_evaluate_an_empty_window_misses() -> None:

@@ -1,0 +1,159 @@
+"""Reading a kernel trace across a stall (bench.stall_trace).
+
+The two excerpts under data/ are ``perf script -F comm,pid,tid,cpu,time,event,trace``
+output of traced (g) runs at 1,000/s on this project's bench machine, 2026-12-07:
+- stall-cpu: 18 requests up to 18.7 ms while toko-api's loop thread (tid 9314)
+  waited for a core, behind the SMTP sink and the kernel's kdamond.0;
+- stall-disk: 7 requests up to 16.0 ms while a 32 KiB write to the log sat
+  13.8 ms in the virtual disk.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from pathlib import Path
+
+import pytest
+
+from bench.loadgen import Sample
+from bench.stall_trace import (
+    KernelTrace,
+    Stall,
+    Switch,
+    TraceUnavailable,
+    explain,
+    find_stalls,
+    merge_spans,
+    parse,
+    stall_lines,
+    waited_for_core,
+)
+
+DATA = Path(__file__).parent / "data"
+
+
+def _excerpt(name: str) -> list[str]:
+    with gzip.open(DATA / name, "rt") as f:
+        return f.read().splitlines()
+
+
+def test_a_stall_behind_other_processes_is_put_down_to_the_cpu() -> None:
+    trace = parse(_excerpt("stall-cpu.perf.txt.gz"))
+    stall = Stall(start=47861.88145, end=47861.91011, max_ms=18.66, requests=18)
+    got = explain(stall, trace, "9314", t0=47845.80745)
+    assert got["cause"] == "cpu"
+    assert got["at_s"] == pytest.approx(16.074, abs=0.001)
+    # The disk answered everything in flight within a millisecond.
+    assert got["write_in_flight_max_ms"] < 1
+    assert got["flush_in_flight_max_ms"] < 1
+    # The loop thread waited for a core about 12 ms of the 28.7, much of it
+    # behind the kernel's kdamond.0 (4.2 ms in one slice).
+    assert 10 < got["loop_waited_for_core_ms"] < 15
+    assert got["ran_instead_ms"]["kdamond.0"] == pytest.approx(4.2, abs=0.3)
+    # Its other threads (the writer among them) are told apart by process.
+    assert set(trace.threads_of("9314")) >= {"9316", "9317"}
+
+
+def test_a_stall_on_a_slow_write_is_put_down_to_the_disk() -> None:
+    trace = parse(_excerpt("stall-disk.perf.txt.gz"))
+    stall = Stall(start=48289.94668, end=48289.96360, max_ms=15.95, requests=7)
+    got = explain(stall, trace, "9695", t0=48267.70968)
+    assert got["cause"] == "disk"
+    # The log's 32 KiB write, issued 48289.947264, completed 48289.961047.
+    assert got["write_in_flight_max_ms"] == pytest.approx(13.78, abs=0.01)
+    assert got["loop_waited_for_core_ms"] < 5
+
+
+def test_parse_pairs_writes_by_sector_and_flushes_in_order() -> None:
+    issue, complete = "block:block_rq_issue: 254,0", "block:block_rq_complete: 254,0"
+    lines = [
+        f"toko-api  10/12  [001] 100.000100:  {issue} WS 20480 () 500 + 40 0x2,0,4 [toko-api]",
+        f"kworker/1:0H  26/26  [001] 100.000200:  {issue} FF 0 () 0 + 0 0x0,0,0 [kworker/1:0H]",
+        f"swapper  0/0  [001] 100.000300:  {complete} FF () 18446744073709551615 + 0 0x0,0,0 [0]",
+        f"swapper  0/0  [001] 100.000301:  {complete} WS () 0 + 0 0x2,0,4 [0]",
+        f"swapper  0/0  [000] 100.009100:  {complete} WS () 500 + 40 0x2,0,4 [0]",
+        "toko-api  10/10  [000] 100.010000:  sched:sched_wakeup: comm=toko-api pid=12 prio=120",
+    ]
+    trace = parse(lines)
+    took_us = sorted((round((b - a) * 1e6), flush) for a, b, flush in trace.ios)
+    assert took_us == [(100, True), (9000, False)]
+    assert trace.sched == [(100.01, "12")]
+    # Scheduler events outside the spans kept are dropped; block requests never are.
+    assert parse(lines, keep=[(0.0, 1.0)]).sched == []
+    assert len(parse(lines, keep=[(0.0, 1.0)]).ios) == 2
+
+
+def test_waited_for_core_counts_runnable_time_and_who_ran() -> None:
+    events: list[Switch | tuple[float, str]] = [
+        Switch(1.000, 0, "7", "R", "50", "generator"),  # the loop is preempted
+        Switch(1.003, 0, "50", "S", "60", "kdamond.0"),
+        Switch(1.005, 0, "60", "I", "7", "toko-api"),  # back after 5 ms
+        Switch(1.006, 0, "7", "S", "0", "swapper/0"),  # asleep: not waiting
+        (1.008, "7"),  # woken...
+        Switch(1.009, 0, "0", "R", "7", "toko-api"),  # ...and on a core 1 ms later
+    ]
+    waited, instead = waited_for_core(events, "7", 0.0, 2.0)
+    assert waited == pytest.approx(6.0)
+    assert instead["generator"] == pytest.approx(3.0)
+    assert instead["kdamond.0"] == pytest.approx(2.0)
+    # Only what falls within the span counts, a wait the span ends in too.
+    assert waited_for_core(events, "7", 1.002, 1.004)[0] == pytest.approx(2.0)
+    assert waited_for_core(events[:-1], "7", 1.0085, 1.0088)[0] == pytest.approx(0.3)
+
+
+def test_find_stalls_groups_overlapping_slow_requests() -> None:
+    def sample(i: int, scheduled: float, ms: float) -> Sample:
+        return Sample(i, scheduled, scheduled, scheduled + ms / 1000, status=201, product_id=i)
+
+    samples = [
+        sample(0, 1.000, 2),
+        sample(1, 1.001, 12),  # a stall begins
+        sample(2, 1.002, 11),
+        sample(3, 1.0125, 10),  # 1.5 ms after the last answer: the same stall
+        sample(4, 3.000, 25),  # another
+        Sample(5, 4.0),  # never answered: not a latency
+    ]
+    stalls = find_stalls(samples, t0=100.0)
+    assert [(round(s.start, 4), round(s.end, 4), s.requests) for s in stalls] == [
+        (101.001, 101.0225, 3),
+        (103.0, 103.025, 1),
+    ]
+    assert stalls[1].max_ms == pytest.approx(25)
+    assert merge_spans([(3, 4), (1, 2), (1.5, 2.5)]) == [(1, 2.5), (3, 4)]
+
+
+def test_stall_lines_count_by_cause_slowest_first() -> None:
+    base = {
+        "requests": 3,
+        "span_ms": 20.0,
+        "write_in_flight_max_ms": 0.1,
+        "flush_in_flight_max_ms": 0.1,
+        "loop_waited_for_core_ms": 9.0,
+        "ran_instead_ms": {"kdamond.0": 4.0},
+        "thread_waited_for_core_ms": 0.0,
+        "thread_ran_instead_ms": {},
+    }
+    lines = stall_lines(
+        [
+            {**base, "at_s": 1.0, "max_ms": 12.0, "cause": "cpu"},
+            {**base, "at_s": 2.0, "max_ms": 40.0, "cause": "disk"},
+        ]
+    )
+    assert lines[0] == "stalls of 10 ms or more: 2 (1 cpu, 1 disk)"
+    assert lines[1].startswith("  at 2.00 s: 40.0 ms") and lines[1].endswith("=> disk")
+    assert "loop 9.0 ms (kdamond.0 4.0), another thread 0.0 ms =>" in lines[2]
+    assert stall_lines([]) == ["no request took 10 ms or more"]
+
+
+def test_tracing_without_perf_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # a PATH with no perf on it
+    with (
+        pytest.raises(TraceUnavailable, match="apt install linux-perf"),
+        KernelTrace(tmp_path / "run.perf.data"),
+    ):
+        pass
+    assert not (tmp_path / "run.perf.data").exists()
+    assert os.listdir(tmp_path) == []
