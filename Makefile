@@ -8,12 +8,13 @@ BIN := $(VENV)/bin
 APT_BUILD := python3-venv python3-dev libsystemd-dev pkg-config gcc
 # What the tests use beyond Python: the container tests boot a real systemd;
 # the store suite also runs on a throwaway PostgreSQL cluster; strace shows
-# what reaches the disk, and when (a commit before its 201, for one).
+# what reaches the disk, and when (a commit before its 201, for one); perf
+# traces the scheduler and the block layer for the bench's --disk-trace.
 APT_TEST := systemd-container debootstrap
 # promtool tests the shipped alert rules; a real Prometheus fires one.
 APT_PROM := prometheus
 APT_PG := postgresql postgresql-client
-APT_TRACE := strace
+APT_TRACE := strace linux-perf
 # The man pages are rendered by the tests as man and lintian render them.
 APT_MAN := groff-base man-db
 APT_BENCH := wrk redis-server
@@ -83,7 +84,7 @@ $(BIN)/.bench-installed: $(BIN)/.installed
 # throughput is measured with: unpacked from the Debian package into build/,
 # never installed (the package would set up and start a mail server).
 bench: venv $(BIN)/.bench-installed
-	./scripts/ensure-apt.sh $(APT_BENCH) $(APT_PG)
+	./scripts/ensure-apt.sh $(APT_BENCH) $(APT_PG) $(APT_TRACE)
 	$(BIN)/python -m bench.postfix
 	$(BIN)/python -m bench $(BENCH_ARGS)
 

@@ -64,8 +64,9 @@ class KernelTrace:
     """``perf record`` over the whole machine, enabled on ``__enter__`` once
     perf says so (its control FIFO's ack), written out on ``__exit__``."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, buffer: str = BUFFER) -> None:
         self.path = path
+        self.buffer = buffer
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: Path | None = None
 
@@ -77,7 +78,7 @@ class KernelTrace:
         ctl_path, ack_path = self._dir / "ctl", self._dir / "ack"
         os.mkfifo(ctl_path)
         os.mkfifo(ack_path)
-        argv = [perf, "record", "-a", "-k", "CLOCK_MONOTONIC", "--overwrite", "-m", BUFFER]
+        argv = [perf, "record", "-a", "-k", "CLOCK_MONOTONIC", "--overwrite", "-m", self.buffer]
         argv += ["-c", "1", "-D", "-1", "--control", f"fifo:{ctl_path},{ack_path}"]
         for event in EVENTS:
             argv += ["-e", event]

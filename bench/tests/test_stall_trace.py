@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import gzip
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from bench.loadgen import Sample
+from bench.procs import REPO
 from bench.stall_trace import (
     KernelTrace,
     Stall,
@@ -26,6 +29,7 @@ from bench.stall_trace import (
     find_stalls,
     merge_spans,
     parse,
+    read,
     stall_lines,
     waited_for_core,
 )
@@ -157,3 +161,34 @@ def test_tracing_without_perf_says_what_to_install(
         pass
     assert not (tmp_path / "run.perf.data").exists()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.root
+def test_a_real_trace_holds_our_own_syncs_and_switches() -> None:
+    """perf for real (linux-perf, from make test's apt step): enabled once it
+    acks, written out at the end, and read back with this thread's writes to
+    the disk (a file under build/, on the disk as the bench's databases are)."""
+    work = REPO / "build" / "stall-trace-test"
+    work.mkdir(parents=True, exist_ok=True)
+    path, target = work / "run.perf.data", work / "synced"
+    try:
+        with KernelTrace(path, buffer="8M"):
+            start = time.monotonic()
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
+                for _ in range(5):
+                    os.write(fd, b"x" * 4096)
+                    os.fdatasync(fd)  # blocks in D state: a switch away, a wake-up back
+            finally:
+                os.close(fd)
+            end = time.monotonic()
+        trace = read(path, [(start, end)])
+    finally:
+        for leftover in (path, path.with_suffix(".log"), target):
+            leftover.unlink(missing_ok=True)
+    me = str(threading.get_native_id())
+    assert trace.process_of[me] == str(os.getpid())
+    ours = [e for e in trace.sched if isinstance(e, Switch) and e.prev_tid == me]
+    assert ours and all(start <= e.at <= end for e in ours)
+    written = [(a, b) for a, b, flush in trace.ios if not flush and start <= a <= end]
+    assert len(written) >= 5
