@@ -15,9 +15,10 @@ overlap) is set against the trace:
   writer thread waits too.
 
 A stall is put down to the disk when a request in flight took at least half
-as long as the stall's slowest request, to the CPU when the loop thread
-waited for a core for at least 30 % of the stall, and is unexplained
-otherwise: then the trace file is the place to look.
+as long as the stall's slowest request, to the CPU when one of toko-api's
+threads (the loop's, the writer's, a reader's) waited for a core for at
+least 30 % of the stall, and is unexplained otherwise: then the trace file
+is the place to look.
 """
 
 from __future__ import annotations
@@ -91,11 +92,11 @@ class KernelTrace:
         ack = os.open(ack_path, os.O_RDWR)
         try:
             os.write(ctl, b"enable\n")
-            ready, _, _ = select.select([ack], [], [], 30)
-            if not ready or not os.read(ack, 64).startswith(b"ack"):
+            if not self._acked(ack):
                 self._end()
-                text = self.path.with_suffix(".log").read_text(errors="replace").strip()
-                raise TraceUnavailable(f"perf record did not start: {text.splitlines()[-1:]}")
+                said = self.path.with_suffix(".log").read_text(errors="replace").strip()
+                first = said.splitlines()[0] if said else "no word from it"
+                raise TraceUnavailable(f"perf record did not start: {first}")
         finally:
             os.close(ctl)
             os.close(ack)
@@ -103,6 +104,17 @@ class KernelTrace:
 
     def __exit__(self, *exc: object) -> None:
         self._end()
+
+    def _acked(self, ack: int, timeout_s: float = 30.0) -> bool:
+        """Whether perf acks the enable within ``timeout_s``; False at once if it exits."""
+        assert self._proc is not None
+        for _ in range(int(timeout_s / 0.1)):
+            ready, _, _ = select.select([ack], [], [], 0.1)
+            if ready:
+                return os.read(ack, 64).startswith(b"ack")
+            if self._proc.poll() is not None:
+                return False
+        return False
 
     def _end(self) -> None:
         if self._proc is not None:
@@ -323,6 +335,8 @@ def explain(stall: Stall, trace: Trace, toko_pid: str, t0: float) -> dict[str, A
         cause = "unexplained"
     return {
         "at_s": round(stall.start - t0, 3),
+        # Where to look in the trace kept beside the run: perf script --time A,B
+        "at_monotonic": [round(stall.start, 6), round(stall.end, 6)],
         "max_ms": round(stall.max_ms, 2),
         "requests": stall.requests,
         "span_ms": round(span_ms, 2),

@@ -164,6 +164,17 @@ def test_tracing_without_perf_says_what_to_install(
 
 
 @pytest.mark.root
+def test_perf_refusing_to_start_is_said_in_one_line_at_once(tmp_path: Path) -> None:
+    started = time.monotonic()
+    with (
+        pytest.raises(TraceUnavailable, match="did not start: Invalid argument for --mmap_pages"),
+        KernelTrace(tmp_path / "run.perf.data", buffer="lots"),  # perf's own check says no
+    ):
+        pass
+    assert time.monotonic() - started < 10  # not the 30 s allowed for an ack
+
+
+@pytest.mark.root
 def test_a_real_trace_holds_our_own_syncs_and_switches() -> None:
     """perf for real (linux-perf, from make test's apt step): enabled once it
     acks, written out at the end, and read back with this thread's writes to
