@@ -15,10 +15,14 @@ overlap) is set against the trace:
   writer thread waits too.
 
 A stall is put down to the disk when a request in flight took at least half
-as long as the stall's slowest request, to the CPU when one of toko-api's
+as long as the stall's slowest request; to the CPU when one of toko-api's
 threads (the loop's, the writer's, a reader's) waited for a core for at
-least 30 % of the stall, and is unexplained otherwise: then the trace file
-is the place to look.
+least 30 % of the stall; to the load generator when it began one of the
+requests late by at least half the slowest one's time (a stall of toko's
+makes it late too, so this comes after those two); to toko-api's own work
+("loop busy") when its loop thread ran on a core for at least 60 % of the
+stall; and is unexplained otherwise: then the trace file is the place to
+look.
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ EVENTS = (
     "block:block_rq_complete",
 )
 THRESHOLD_MS = 10.0
-DISK_SHARE = 0.5  # of the stall's slowest request
+SLOWEST_SHARE = 0.5  # of the stall's slowest request: the generator's lateness, the disk's
 CPU_SHARE = 0.3  # of the stall's span
+BUSY_SHARE = 0.6  # of the stall's span, the loop thread on a core
 # Scheduler events kept before a stall, to know each thread's state as it begins.
 LEAD_S = 0.5
 # No request the disk completes has been in flight this long (SCSI's own timeout
@@ -251,6 +256,8 @@ class Stall:
     end: float  # the last one's answer
     max_ms: float
     requests: int
+    # The most the load generator itself began one of them late.
+    late_max_ms: float = 0.0
 
 
 def find_stalls(
@@ -258,18 +265,18 @@ def find_stalls(
 ) -> list[Stall]:
     """Requests of ``threshold_ms`` or more, grouped while they overlap (2 ms apart at most)."""
     slow = sorted(
-        (t0 + s.scheduled, t0 + s.finished, s.latency_ms)
+        (t0 + s.scheduled, t0 + s.finished, s.latency_ms, (s.started - s.scheduled) * 1000)
         for s in samples
         if s.finished > 0 and s.latency_ms >= threshold_ms
     )
     groups: list[list[float]] = []
-    for start, end, ms in slow:
+    for start, end, ms, late in slow:
         if groups and start <= groups[-1][1] + 0.002:
             g = groups[-1]
-            g[1], g[2], g[3] = max(g[1], end), max(g[2], ms), g[3] + 1
+            g[1], g[2], g[3], g[4] = max(g[1], end), max(g[2], ms), g[3] + 1, max(g[4], late)
         else:
-            groups.append([start, end, ms, 1])
-    return [Stall(a, b, ms, int(n)) for a, b, ms, n in groups]
+            groups.append([start, end, ms, 1, late])
+    return [Stall(a, b, ms, int(n), max(0.0, late)) for a, b, ms, n, late in groups]
 
 
 def waited_for_core(
@@ -309,6 +316,25 @@ def waited_for_core(
     return waited, instead
 
 
+def ran_on_core(
+    events: Sequence[Switch | tuple[float, str]], tid: str, start: float, end: float
+) -> float:
+    """ms ``tid`` ran on a core within [start, end]."""
+    since: float | None = None
+    ran = 0.0
+    for e in events:
+        if not isinstance(e, Switch):
+            continue
+        if e.next_tid == tid:
+            since = e.at
+        elif e.prev_tid == tid and since is not None:
+            ran += max(0.0, min(e.at, end) - max(since, start)) * 1000
+            since = None
+    if since is not None:
+        ran += max(0.0, end - max(since, start)) * 1000
+    return ran
+
+
 def _top(ms_by_name: dict[str, float], n: int = 3) -> dict[str, float]:
     return {k: round(v, 2) for k, v in sorted(ms_by_name.items(), key=lambda kv: -kv[1])[:n]}
 
@@ -326,11 +352,16 @@ def explain(stall: Stall, trace: Trace, toko_pid: str, t0: float) -> dict[str, A
         waited_for_core(events, tid, stall.start, stall.end) for tid in trace.threads_of(toko_pid)
     ]
     t_waited, t_instead = max(thread_waits, key=lambda w: w[0], default=(0.0, {}))
+    loop_ran = ran_on_core(events, toko_pid, stall.start, stall.end)
     span_ms = (stall.end - stall.start) * 1000
-    if max(writes + flushes, default=0.0) >= DISK_SHARE * stall.max_ms:
+    if max(writes + flushes, default=0.0) >= SLOWEST_SHARE * stall.max_ms:
         cause = "disk"
     elif max(waited, t_waited) >= CPU_SHARE * span_ms:
         cause = "cpu"
+    elif stall.late_max_ms >= SLOWEST_SHARE * stall.max_ms:
+        cause = "generator late"  # the client's own wait, not toko-api's
+    elif loop_ran >= BUSY_SHARE * span_ms:
+        cause = "loop busy"
     else:
         cause = "unexplained"
     return {
@@ -340,8 +371,10 @@ def explain(stall: Stall, trace: Trace, toko_pid: str, t0: float) -> dict[str, A
         "max_ms": round(stall.max_ms, 2),
         "requests": stall.requests,
         "span_ms": round(span_ms, 2),
+        "generator_late_max_ms": round(stall.late_max_ms, 2),
         "write_in_flight_max_ms": round(max(writes, default=0.0), 2),
         "flush_in_flight_max_ms": round(max(flushes, default=0.0), 2),
+        "loop_ran_ms": round(loop_ran, 2),
         "loop_waited_for_core_ms": round(waited, 2),
         "ran_instead_ms": _top(instead),
         "thread_waited_for_core_ms": round(t_waited, 2),
@@ -394,8 +427,10 @@ def stall_lines(stalls: Sequence[dict[str, Any]], limit: int = 12) -> list[str]:
     for s in sorted(stalls, key=lambda s: -s["max_ms"])[:limit]:
         lines.append(
             f"  at {s['at_s']:.2f} s: {s['max_ms']:.1f} ms ({s['requests']} requests over"
-            f" {s['span_ms']:.1f} ms); disk in flight: write {s['write_in_flight_max_ms']:.1f},"
-            f" flush {s['flush_in_flight_max_ms']:.1f} ms; waited for a core: loop"
+            f" {s['span_ms']:.1f} ms); sent late up to {s['generator_late_max_ms']:.1f} ms;"
+            f" disk in flight: write {s['write_in_flight_max_ms']:.1f},"
+            f" flush {s['flush_in_flight_max_ms']:.1f} ms; loop ran {s['loop_ran_ms']:.1f} ms;"
+            f" waited for a core: loop"
             f" {_waited(s['loop_waited_for_core_ms'], s['ran_instead_ms'])}, another thread"
             f" {_waited(s['thread_waited_for_core_ms'], s['thread_ran_instead_ms'])}"
             f" => {s['cause']}"

@@ -24,11 +24,13 @@ from bench.stall_trace import (
     KernelTrace,
     Stall,
     Switch,
+    Trace,
     TraceUnavailable,
     explain,
     find_stalls,
     merge_spans,
     parse,
+    ran_on_core,
     read,
     stall_lines,
     waited_for_core,
@@ -54,6 +56,7 @@ def test_a_stall_behind_other_processes_is_put_down_to_the_cpu() -> None:
     # The loop thread waited for a core about 12 ms of the 28.7, much of it
     # behind the kernel's kdamond.0 (4.2 ms in one slice).
     assert 10 < got["loop_waited_for_core_ms"] < 15
+    assert 12 < got["loop_ran_ms"] < 17  # on a core about half the time, waiting the rest
     assert got["ran_instead_ms"]["kdamond.0"] == pytest.approx(4.2, abs=0.3)
     # Its other threads (the writer among them) are told apart by process.
     assert set(trace.threads_of("9314")) >= {"9316", "9317"}
@@ -67,6 +70,22 @@ def test_a_stall_on_a_slow_write_is_put_down_to_the_disk() -> None:
     # The log's 32 KiB write, issued 48289.947264, completed 48289.961047.
     assert got["write_in_flight_max_ms"] == pytest.approx(13.78, abs=0.01)
     assert got["loop_waited_for_core_ms"] < 5
+
+
+def test_a_stall_the_loop_spent_at_work_is_its_own() -> None:
+    trace = Trace(
+        ios=[(1.0, 1.0001, False)],
+        sched=[
+            (0.999, "7"),
+            Switch(0.999, 0, "0", "R", "7", "toko-api"),  # on a core throughout
+            Switch(1.0115, 0, "7", "S", "0", "swapper/0"),
+        ],
+        process_of={"7": "7", "8": "7"},
+    )
+    got = explain(Stall(1.0, 1.012, 12.0, 9), trace, "7", t0=0.0)
+    assert got["cause"] == "loop busy"
+    assert got["loop_ran_ms"] == pytest.approx(11.5)
+    assert got["loop_waited_for_core_ms"] == 0
 
 
 def test_parse_pairs_writes_by_sector_and_flushes_in_order() -> None:
@@ -97,6 +116,8 @@ def test_waited_for_core_counts_runnable_time_and_who_ran() -> None:
         (1.008, "7"),  # woken...
         Switch(1.009, 0, "0", "R", "7", "toko-api"),  # ...and on a core 1 ms later
     ]
+    # Ran from 1.005 to 1.006 and from 1.009 on (to the span's end).
+    assert ran_on_core(events, "7", 1.0, 1.010) == pytest.approx(2.0)
     waited, instead = waited_for_core(events, "7", 0.0, 2.0)
     assert waited == pytest.approx(6.0)
     assert instead["generator"] == pytest.approx(3.0)
@@ -117,13 +138,18 @@ def test_find_stalls_groups_overlapping_slow_requests() -> None:
         sample(3, 1.0125, 10),  # 1.5 ms after the last answer: the same stall
         sample(4, 3.000, 25),  # another
         Sample(5, 4.0),  # never answered: not a latency
+        Sample(6, 5.0, 5.009, 5.012, status=201, product_id=6),  # sent 9 ms late
     ]
     stalls = find_stalls(samples, t0=100.0)
     assert [(round(s.start, 4), round(s.end, 4), s.requests) for s in stalls] == [
         (101.001, 101.0225, 3),
         (103.0, 103.025, 1),
+        (105.0, 105.012, 1),
     ]
     assert stalls[1].max_ms == pytest.approx(25)
+    assert stalls[1].late_max_ms == 0 and stalls[2].late_max_ms == pytest.approx(9)
+    # Its own lateness is most of that one: the generator's, not toko-api's.
+    assert explain(stalls[2], Trace(), "7", t0=100.0)["cause"] == "generator late"
     assert merge_spans([(3, 4), (1, 2), (1.5, 2.5)]) == [(1, 2.5), (3, 4)]
 
 
@@ -131,8 +157,10 @@ def test_stall_lines_count_by_cause_slowest_first() -> None:
     base = {
         "requests": 3,
         "span_ms": 20.0,
+        "generator_late_max_ms": 0.5,
         "write_in_flight_max_ms": 0.1,
         "flush_in_flight_max_ms": 0.1,
+        "loop_ran_ms": 8.0,
         "loop_waited_for_core_ms": 9.0,
         "ran_instead_ms": {"kdamond.0": 4.0},
         "thread_waited_for_core_ms": 0.0,
@@ -145,8 +173,9 @@ def test_stall_lines_count_by_cause_slowest_first() -> None:
         ]
     )
     assert lines[0] == "stalls of 10 ms or more: 2 (1 cpu, 1 disk)"
-    assert lines[1].startswith("  at 2.00 s: 40.0 ms") and lines[1].endswith("=> disk")
-    assert "loop 9.0 ms (kdamond.0 4.0), another thread 0.0 ms =>" in lines[2]
+    assert lines[1].startswith("  at 2.00 s: 40.0 ms (3 requests over 20.0 ms); sent late up")
+    assert lines[1].endswith("=> disk")
+    assert "loop ran 8.0 ms; waited for a core: loop 9.0 ms (kdamond.0 4.0)," in lines[2]
     assert stall_lines([]) == ["no request took 10 ms or more"]
 
 
