@@ -102,6 +102,13 @@ def test_parse_pairs_writes_by_sector_and_flushes_in_order() -> None:
     took_us = sorted((round((b - a) * 1e6), flush) for a, b, flush in trace.ios)
     assert took_us == [(100, True), (9000, False)]
     assert trace.sched == [(100.01, "12")]
+    # A write the trace saw issued but never completed (as at its edges) does
+    # not pair with the next completion on that sector, which the log rewrites.
+    orphan = f"toko-api  10/12  [001] 99.000000:  {issue} WS 4096 () 500 + 8 0x2,0,4 [toko-api]"
+    assert sorted(round((b - a) * 1e6) for a, b, _ in parse([orphan, *lines]).ios) == [100, 9000]
+    stale = f"toko-api  10/12  [001] 50.0:  {issue} WS 4096 () 777 + 8 0x2,0,4 [toko-api]"
+    done = f"swapper  0/0  [000] 70.0:  {complete} WS () 777 + 8 0x2,0,4 [0]"
+    assert parse([stale, done]).ios == []  # 20 s in flight: a completion the trace missed
     # Scheduler events outside the spans kept are dropped; block requests never are.
     assert parse(lines, keep=[(0.0, 1.0)]).sched == []
     assert len(parse(lines, keep=[(0.0, 1.0)]).ios) == 2
