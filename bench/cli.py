@@ -260,7 +260,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--disk-trace",
         action="store_true",
         help="trace the machine with perf across each run and say, for every request of "
-        "10 ms or more, whether the disk or a wait for a core held it (needs root and perf)",
+        "10 ms or more, whether the disk, a wait for a core, the generator's lateness or "
+        "toko-api's own work held it (needs root and perf)",
     )
     g = p.add_argument_group("(i) peers")
     g.add_argument(

@@ -232,7 +232,8 @@ class Quiet:
             why.append("steal")
         if (w.get("cpu_others_pct") or 0.0) >= self.others_pct:
             why.append("others")
-        if (w.get("fsync_max_ms") or 0.0) >= self.probe_ms or w.get("stalls", {}).get("disk"):
+        probe_slow = (w.get("fsync_max_ms") or 0.0) >= self.probe_ms
+        if probe_slow or w.get("stalls_by_cause", {}).get("disk"):
             why.append("disk")
         return why
 
@@ -240,13 +241,13 @@ class Quiet:
 def _stalls_by_window(
     windows: list[dict[str, Any]], stalls: Sequence[dict[str, Any]], window_s: float
 ) -> None:
-    """Each window's traced stalls by cause (bench.stall_trace), as ``stalls``."""
+    """Each window's traced stalls counted by cause (bench.stall_trace)."""
     for w in windows:
-        w["stalls"] = {}
+        w["stalls_by_cause"] = {}
     for stall in stalls:
         n = math.floor(stall["at_s"] / window_s)
         if 0 <= n < len(windows):
-            causes = windows[n]["stalls"]
+            causes = windows[n]["stalls_by_cause"]
             causes[stall["cause"]] = causes.get(stall["cause"], 0) + 1
 
 

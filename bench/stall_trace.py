@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import os
 import re
 import select
@@ -160,8 +161,13 @@ class Trace:
     process_of: dict[str, str] = field(default_factory=dict)
 
     def sched_between(self, start: float, end: float) -> list[Switch | tuple[float, str]]:
-        times = [e.at if isinstance(e, Switch) else e[0] for e in self.sched]
+        times = self._sched_times
         return self.sched[bisect.bisect_left(times, start) : bisect.bisect_right(times, end)]
+
+    @functools.cached_property
+    def _sched_times(self) -> list[float]:
+        # Once per trace, not once per stall: read only after parse() has filled it.
+        return [e.at if isinstance(e, Switch) else e[0] for e in self.sched]
 
     def threads_of(self, pid: str) -> list[str]:
         return sorted(t for t, p in self.process_of.items() if p == pid and t != pid)

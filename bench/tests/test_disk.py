@@ -221,10 +221,10 @@ def test_a_window_with_a_traced_disk_stall_counts_as_disturbed() -> None:
         {"at_s": 15.2, "cause": "disk"},  # in the tail, after the last window
     ]
     _stalls_by_window(windows, stalls, 5)
-    assert [w["stalls"] for w in windows] == [{}, {"disk": 1}, {"cpu": 1, "disk": 2}]
+    assert [w["stalls_by_cause"] for w in windows] == [{}, {"disk": 1}, {"cpu": 1, "disk": 2}]
     verdict = evaluate(windows, p99_target_ms=5, max_target_ms=100, lateness_limit_ms=5)
     assert verdict["disturbed"] == {"5": ["disk"], "10": ["disk"]}
-    windows[2]["stalls"] = {"cpu": 1}  # a wait for a core is toko's to bear: it counts
+    windows[2]["stalls_by_cause"] = {"cpu": 1}  # a wait for a core is toko's to bear: it counts
     verdict = evaluate(windows, p99_target_ms=5, max_target_ms=100, lateness_limit_ms=5)
     assert verdict["quiet_windows_over_p99_target"] == [10]
 

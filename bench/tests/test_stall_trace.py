@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,15 +40,16 @@ from bench.stall_trace import (
 DATA = Path(__file__).parent / "data"
 
 
-def _excerpt(name: str) -> list[str]:
+def _explained(name: str, stall: Stall, pid: str, t0: float) -> tuple[Trace, dict[str, Any]]:
+    """One of the recorded excerpts, parsed, and ``stall`` explained from it."""
     with gzip.open(DATA / name, "rt") as f:
-        return f.read().splitlines()
+        trace = parse(f.read().splitlines())
+    return trace, explain(stall, trace, pid, t0=t0)
 
 
 def test_a_stall_behind_other_processes_is_put_down_to_the_cpu() -> None:
-    trace = parse(_excerpt("stall-cpu.perf.txt.gz"))
     stall = Stall(start=47861.88145, end=47861.91011, max_ms=18.66, requests=18)
-    got = explain(stall, trace, "9314", t0=47845.80745)
+    trace, got = _explained("stall-cpu.perf.txt.gz", stall, "9314", t0=47845.80745)
     assert got["cause"] == "cpu"
     assert got["at_s"] == pytest.approx(16.074, abs=0.001)
     # The disk answered everything in flight within a millisecond.
@@ -63,9 +65,8 @@ def test_a_stall_behind_other_processes_is_put_down_to_the_cpu() -> None:
 
 
 def test_a_stall_on_a_slow_write_is_put_down_to_the_disk() -> None:
-    trace = parse(_excerpt("stall-disk.perf.txt.gz"))
     stall = Stall(start=48289.94668, end=48289.96360, max_ms=15.95, requests=7)
-    got = explain(stall, trace, "9695", t0=48267.70968)
+    _, got = _explained("stall-disk.perf.txt.gz", stall, "9695", t0=48267.70968)
     assert got["cause"] == "disk"
     # The log's 32 KiB write, issued 48289.947264, completed 48289.961047.
     assert got["write_in_flight_max_ms"] == pytest.approx(13.78, abs=0.01)
