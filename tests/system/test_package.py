@@ -110,6 +110,12 @@ def test_installed_package_serves_with_its_commands_and_man_pages(toko: Deployme
     )
 
 
+# toko-api's own line, as postinst quotes it. Taken from the journal, this
+# line went missing in 6 starts of 100: the journal can get the line of a
+# process that exits at once without its invocation ID.
+NAMED = "\n  toko-api: TOKO_WORKERS must be an integer from 1 to 256, got 'abc'\n"
+
+
 def test_bad_setting_leaves_the_package_installed_and_names_the_variable(
     toko: Deployment,
 ) -> None:
@@ -119,14 +125,14 @@ def test_bad_setting_leaves_the_package_installed_and_names_the_variable(
         # On an upgrade (a reinstall runs the same maintainer scripts)...
         upgrade = toko.install(current, "--reinstall", check=False)
         assert upgrade.returncode == 0 and toko.status() == "ii", output(upgrade)
-        assert "TOKO_WORKERS" in output(upgrade), output(upgrade)
+        assert NAMED in output(upgrade), output(upgrade)
         assert toko.show("toko-api.service", "ActiveState") != "active"
         # ...and on an install over the configuration a remove kept.
         toko.apt("remove", "-y", PACKAGE)
         assert toko.status() == "rc"
         install = toko.install(current, check=False)
         assert install.returncode == 0 and toko.status() == "ii", output(install)
-        assert "TOKO_WORKERS" in output(install), output(install)
+        assert NAMED in output(install), output(install)
         assert toko.show("toko-api.service", "ActiveState") != "active"
         # The install after the remove enabled the units again.
         for unit in ENABLED_UNITS:
