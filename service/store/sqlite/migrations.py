@@ -79,6 +79,31 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE products ADD COLUMN created_nama TEXT;
     ALTER TABLE products ADD COLUMN created_harga INTEGER;
     """,
+    # 6: jobs by state, kept by triggers, so that /healthz, /metrics and the
+    #    status line read four rows instead of counting every job: at a
+    #    million (a week of done jobs kept), the count took 82 ms of a core
+    #    every 5 s, and under load it took the core the writer needed.
+    #    Every change to jobs, by any process, goes through the triggers.
+    """
+    CREATE TABLE job_counts (
+        state TEXT    PRIMARY KEY,
+        n     INTEGER NOT NULL
+    ) WITHOUT ROWID;
+    INSERT INTO job_counts (state, n)
+        SELECT column1, (SELECT count(*) FROM jobs WHERE state = column1)
+        FROM (VALUES ('pending'), ('running'), ('done'), ('failed'));
+    CREATE TRIGGER job_counts_insert AFTER INSERT ON jobs BEGIN
+        UPDATE job_counts SET n = n + 1 WHERE state = NEW.state;
+    END;
+    CREATE TRIGGER job_counts_delete AFTER DELETE ON jobs BEGIN
+        UPDATE job_counts SET n = n - 1 WHERE state = OLD.state;
+    END;
+    CREATE TRIGGER job_counts_update AFTER UPDATE OF state ON jobs
+        WHEN OLD.state IS NOT NEW.state BEGIN
+        UPDATE job_counts SET n = n - 1 WHERE state = OLD.state;
+        UPDATE job_counts SET n = n + 1 WHERE state = NEW.state;
+    END;
+    """,
 )
 
 LATEST_VERSION = len(MIGRATIONS)
@@ -110,5 +135,14 @@ def migrate(conn: sqlite3.Connection) -> int:
 
 
 def _statements(script: str) -> list[str]:
-    # executescript() would commit on its own; split so the step stays one transaction.
-    return [part.strip() for part in script.split(";") if part.strip()]
+    """``script``'s statements, one by one: executescript() would commit on its
+    own, and the step must stay one transaction. A trigger's body holds
+    semicolons of its own, so a statement ends at the first one that ends it
+    whole (sqlite3.complete_statement)."""
+    statements, part = [], ""
+    for piece in script.split(";"):
+        part += piece + ";"
+        if sqlite3.complete_statement(part):
+            statements.append(part.strip())
+            part = ""
+    return [s for s in statements if s != ";"]
