@@ -84,15 +84,19 @@ class SqliteQueue(SqliteTransport):
 
     async def counts(self) -> QueueCounts:
         def read(conn: sqlite3.Connection) -> QueueCounts:
-            # Four rows the triggers keep (schema step 6), not a walk of every
-            # job; one statement, so the figures and the oldest are one snapshot.
-            rows = conn.execute(
-                "SELECT state, n, (SELECT min(run_at) FROM jobs WHERE state = 'pending')"
-                " FROM job_counts"
-            ).fetchall()
             figures = dict.fromkeys(JOB_STATES, 0)
-            figures.update((state, n) for state, n, _ in rows)
-            oldest_pending = rows[0][2] if rows else None
+            oldest_pending = None
+            # Done and failed as the triggers keep them (schema step 6), the
+            # live queue counted; one statement, so one snapshot. min(run_at)
+            # in the same pass: jobs_state_run_at covers both columns.
+            for state, count, oldest in conn.execute(
+                "SELECT state, n, NULL FROM job_counts UNION ALL"
+                " SELECT state, count(*), min(run_at) FROM jobs"
+                " WHERE state IN ('pending', 'running') GROUP BY state"
+            ).fetchall():
+                figures[state] = count
+                if state == "pending":
+                    oldest_pending = oldest
             return QueueCounts.of(figures, oldest_pending, self._clock())
 
         return await self._read(read)
