@@ -24,6 +24,7 @@ from service.store.base import StoreError
 from service.store.postgres import PostgresStore
 from service.store.postgres import transport as pg_transport
 from service.store.postgres.migrations import LATEST_VERSION
+from service.store.postgres.queue import FOLD_CHANGES
 from service.tasks import JobContext, product_email_job
 from service.workers import PoolConfig, WorkerPool
 from tests.support.postgres import PostgresCluster, fetch
@@ -224,6 +225,31 @@ async def test_claims_on_several_instances_never_overlap(hosts: list[PostgresSto
     assert all(per_host), f"an instance claimed nothing: {per_host}"
     counts = await hosts[0].counts()
     assert (counts.pending, counts.running) == (0, total)
+
+
+async def test_done_counts_kept_as_changes_are_folded_by_reads_on_several_hosts(
+    pg_cluster: PostgresCluster, pg_url: str, hosts: list[PostgresStore]
+) -> None:
+    """Each job done adds a change row (no host waits on another's lock); a
+    read that finds over a thousand folds them, and reads folding at once on
+    every host still leave the sum whole."""
+    total = FOLD_CHANGES + 200
+    await asyncio.gather(
+        *(hosts[i % HOSTS].enqueue(NewJob("k", {"i": i}, 3)) for i in range(total))
+    )
+
+    async def finish(store: PostgresStore) -> None:
+        while jobs := await store.claim(50, lease_seconds=600):
+            await store.complete(jobs)
+
+    await asyncio.gather(*(finish(h) for h in hosts))
+    changes = "SELECT count(*), sum(n) FROM job_count_changes WHERE state = 'done'"
+    assert await fetch(pg_cluster, pg_url, changes) == [(total, total)]
+    read = await asyncio.gather(*(h.counts() for h in hosts))
+    assert [(c.done, c.pending, c.running) for c in read] == [(total, 0, 0)] * HOSTS
+    ((rows, kept),) = await fetch(pg_cluster, pg_url, changes)
+    assert kept == total and rows <= HOSTS, rows
+    assert (await hosts[0].counts()).done == total
 
 
 async def test_racing_recaps_record_one_row_and_one_job(

@@ -17,7 +17,7 @@ from service.store.sqlite import connect, migrations
 def make_sqlite_at(path: str, version: int, *rows: str) -> None:
     """A SQLite file at schema ``version`` holding ``rows`` (INSERT statements)."""
     steps = migrations.MIGRATIONS[:version]
-    statements = [part for step in steps for part in step.split(";") if part.strip()]
+    statements = [part for step in steps for part in migrations.statements_of(step)]
     with closing(connect(path)) as conn:
         conn.execute("BEGIN IMMEDIATE")
         for statement in [*statements, *rows]:

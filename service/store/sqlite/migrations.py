@@ -128,7 +128,7 @@ def migrate(conn: sqlite3.Connection) -> int:
                 "upgrade toko or restore a matching backup"
             )
         for version in range(before + 1, LATEST_VERSION + 1):
-            for statement in _statements(MIGRATIONS[version - 1]):
+            for statement in statements_of(MIGRATIONS[version - 1]):
                 conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {version}")
         conn.execute("COMMIT")
@@ -139,7 +139,7 @@ def migrate(conn: sqlite3.Connection) -> int:
     return int(before)
 
 
-def _statements(script: str) -> list[str]:
+def statements_of(script: str) -> list[str]:
     """``script``'s statements, one by one: executescript() would commit on its
     own, and the step must stay one transaction. A trigger's body holds
     semicolons of its own, so a statement ends at the first one that ends it
