@@ -177,10 +177,15 @@ def window_stats(
         if n is not None:
             reqs[n].append(s)
     probes: list[list[float]] = [[] for _ in range(count)]
+    # The longest probe write in flight during each window: one begun in the
+    # window before and still held disturbs this one's requests too.
+    held = [0.0] * count
     for at, ms in fsync:
         n = slot(at)
         if n is not None:
             probes[n].append(ms)
+        for m in _windows_spanned(at, at + ms / 1000, window_s, count):
+            held[m] = max(held[m], ms)
     out: list[dict[str, Any]] = []
     for n in range(count):
         done = [s for s in reqs[n] if s.finished > 0]
@@ -205,6 +210,7 @@ def window_stats(
             "fsync_p50_ms": probe["p50"],
             "fsync_p99_ms": probe["p99"],
             "fsync_max_ms": probe["max"],
+            "fsync_held_max_ms": round(held[n], 2),
         }
         if ticks:
             row.update(tick_figures(ticks, n * window_s, (n + 1) * window_s))
@@ -232,7 +238,8 @@ class Quiet:
             why.append("steal")
         if (w.get("cpu_others_pct") or 0.0) >= self.others_pct:
             why.append("others")
-        probe_slow = (w.get("fsync_max_ms") or 0.0) >= self.probe_ms
+        probe_ms = max(w.get("fsync_max_ms") or 0.0, w.get("fsync_held_max_ms") or 0.0)
+        probe_slow = probe_ms >= self.probe_ms
         if probe_slow or w.get("stalls_by_cause", {}).get("disk"):
             why.append("disk")
         return why
@@ -241,14 +248,21 @@ class Quiet:
 def _stalls_by_window(
     windows: list[dict[str, Any]], stalls: Sequence[dict[str, Any]], window_s: float
 ) -> None:
-    """Each window's traced stalls counted by cause (bench.stall_trace)."""
+    """Each window's traced stalls counted by cause (bench.stall_trace), a
+    stall in every window it spans: requests sent after a boundary wait
+    behind the same write."""
     for w in windows:
         w["stalls_by_cause"] = {}
     for stall in stalls:
-        n = math.floor(stall["at_s"] / window_s)
-        if 0 <= n < len(windows):
+        end = stall["at_s"] + stall.get("span_ms", 0.0) / 1000
+        for n in _windows_spanned(stall["at_s"], end, window_s, len(windows)):
             causes = windows[n]["stalls_by_cause"]
             causes[stall["cause"]] = causes.get(stall["cause"], 0) + 1
+
+
+def _windows_spanned(start: float, end: float, window_s: float, count: int) -> range:
+    """The windows (of ``count``) that ``start``..``end`` seconds overlaps."""
+    return range(max(0, math.floor(start / window_s)), min(count, math.floor(end / window_s) + 1))
 
 
 def evaluate(
