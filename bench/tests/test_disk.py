@@ -191,7 +191,7 @@ def test_windows_the_machine_disturbed_are_told_apart_and_still_count() -> None:
         samples[i] = _sample(i, i / 100, 30.0)
     windows = window_stats(samples, window_s=5, duration_s=15)
     windows[0]["cpu_steal_pct"] = 20.0  # disturbed, yet within target
-    windows[1]["fsync_max_ms"] = 140.0  # the disk stalled for everyone
+    windows[1]["fsync_held_max_ms"] = 140.0  # the disk stalled for everyone
     verdict = evaluate(windows, p99_target_ms=5, max_target_ms=100, lateness_limit_ms=5)
     assert verdict["windows_over_p99_target"] == [5, 10]
     assert not verdict["checks"]["p99_every_window"]  # the target holds for every window
@@ -214,11 +214,11 @@ def test_a_window_with_a_traced_disk_stall_counts_as_disturbed() -> None:
         samples[i] = _sample(i, i / 100, 30.0)
     windows = window_stats(samples, window_s=5, duration_s=15)
     stalls = [
-        {"at_s": 5.0, "cause": "disk"},  # the probe missed it: a write held 30 ms
-        {"at_s": 10.0, "cause": "cpu"},
-        {"at_s": 12.5, "cause": "disk"},
-        {"at_s": 12.6, "cause": "disk"},
-        {"at_s": 15.2, "cause": "disk"},  # in the tail, after the last window
+        {"at_s": 5.0, "span_ms": 30.0, "cause": "disk"},  # the probe missed it: a write held 30 ms
+        {"at_s": 10.0, "span_ms": 12.0, "cause": "cpu"},
+        {"at_s": 12.5, "span_ms": 15.0, "cause": "disk"},
+        {"at_s": 12.6, "span_ms": 11.0, "cause": "disk"},
+        {"at_s": 15.2, "span_ms": 20.0, "cause": "disk"},  # in the tail, after the last window
     ]
     _stalls_by_window(windows, stalls, 5)
     assert [w["stalls_by_cause"] for w in windows] == [{}, {"disk": 1}, {"cpu": 1, "disk": 2}]
@@ -244,7 +244,7 @@ def test_a_disk_stall_across_a_window_boundary_disturbs_both_windows() -> None:
     assert verdict["disturbed"] == {"10": ["disk"], "15": ["disk"]}
     # Traced, with the probe well: the stall counts in each window it spans.
     for w in windows:
-        w["fsync_max_ms"] = w["fsync_held_max_ms"] = 0.4
+        w["fsync_held_max_ms"] = 0.4
     stalls = [{"at_s": 14.82, "span_ms": 544.6, "cause": "disk"}]
     _stalls_by_window(windows, stalls, 5)
     assert [w["stalls_by_cause"] for w in windows] == [{}, {}, {"disk": 1}, {"disk": 1}]
